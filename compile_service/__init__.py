@@ -1,0 +1,1 @@
+"""The compile service: model config + compile config -> Inductor bundle in a content-addressed store."""

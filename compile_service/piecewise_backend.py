@@ -1,0 +1,153 @@
+"""A torch.compile backend that splits the Dynamo graph at the splitting ops and compiles each other piece.
+
+As in vLLM's "[7/N] torch.compile, reduce compilation time": Inductor sees one layer's worth of graph at a time,
+so the identical middle layers hit Inductor's cache. Each piece is compiled by ``standalone_compile`` for the
+symbolic token count and for each compile size; the result is a PiecewiseFunction that ``aot_compile`` saves.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch._dispatch.python import enable_python_dispatcher
+from torch.fx.passes.split_module import split_module
+
+from kiln.piecewise import CompiledPiece, PiecewiseFunction
+
+ProgressFn = Callable[[str, int, int, str], None]  # (phase, piece, num_pieces, size)
+
+
+@dataclass
+class SplitStats:
+    num_pieces: int = 0
+    num_splits: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _split_op_targets(splitting_ops: tuple[str, ...]) -> set:
+    targets = set()
+    for name in splitting_ops:
+        namespace, op = name.split("::")
+        packet = getattr(getattr(torch.ops, namespace), op)
+        targets |= {packet, packet.default}
+    return targets
+
+
+def _token_symbol(example_inputs) -> sympy.Symbol:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt):
+                    return size.node.expr
+    raise RuntimeError("the traced graph has no symbolic token dimension")
+
+
+def _token_arg(args, symbol) -> tuple[int, int | None]:
+    """Which argument (and dim) carries the token count of a piece."""
+    for pos, value in enumerate(args):
+        if isinstance(value, torch.SymInt) and value.node.expr == symbol:
+            return pos, None
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                    return pos, dim
+    return 0, 0  # a piece without the token dimension: compile sizes cannot differ, any arg will do
+
+
+class PiecewiseBackend:
+    """Callable as a torch.compile backend; records what it split and compiled in ``stats``."""
+
+    def __init__(self, splitting_ops: tuple[str, ...], compile_sizes: tuple[int, ...], config_patches: dict,
+                 concrete_inputs: Callable[[int], tuple], progress: ProgressFn):
+        self.split_targets = _split_op_targets(splitting_ops)
+        self.compile_sizes = compile_sizes
+        self.options = {"config_patches": dict(config_patches)}
+        self.concrete_inputs = concrete_inputs  # size -> real (input_ids, positions) of that many tokens
+        self.progress = progress
+        self.stats = SplitStats()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> PiecewiseFunction:
+        start = time.perf_counter()
+        split_gm, split_parts = self._split(gm)
+        self.stats.timings["split"] = time.perf_counter() - start
+        self.progress("split", 0, 0, "")
+        names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]
+        pieces: dict[str, CompiledPiece] = {}
+        start = time.perf_counter()
+        tracing = torch._guards.TracingContext.get()
+        symbol = _token_symbol([tracing.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                for a in example_inputs])
+        self._run_compiling(split_gm, names, pieces, example_inputs, symbol, size=None)
+        for size in self.compile_sizes:
+            self._run_compiling(split_gm, names, pieces, self._inputs_for_size(gm, example_inputs, size), symbol, size)
+        self.stats.timings["inductor"] = time.perf_counter() - start
+        for name, piece in pieces.items():
+            split_gm.register_module(name, piece)
+        self.stats.num_pieces = len(pieces)
+        self.stats.num_splits = len(split_parts)
+        return PiecewiseFunction(split_gm, pieces)
+
+    def _split(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, set[str]]:
+        part, assignment, split_parts = 0, {}, set()
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in self.split_targets:
+                part += 1
+                assignment[node] = part
+                split_parts.add(f"submod_{part}")
+                part += 1
+            else:
+                assignment[node] = part
+        split_gm = split_module(gm, None, lambda n: assignment[n], keep_original_order=True)
+        return split_gm, split_parts
+
+    def _inputs_for_size(self, gm, example_inputs, size: int) -> list:
+        """Real graph inputs for ``size`` tokens: the traced inputs swapped for concrete ones, SymInts for ints."""
+        ids, positions = self.concrete_inputs(size)
+        token_inputs = iter((ids, positions))
+        out = []
+        for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+            example = node.meta.get("example_value")
+            if isinstance(value, torch.SymInt) or isinstance(example, torch.SymInt):
+                out.append(size)
+            elif isinstance(example, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in example.shape):
+                out.append(next(token_inputs))
+            else:
+                out.append(value)
+        return out
+
+    def _run_compiling(self, split_gm, names, pieces, inputs, symbol, size: int | None) -> None:
+        """Interpret the split graph, compiling each piece on the way with the inputs it really receives."""
+        backend = self
+        label = "symbolic" if size is None else str(size)
+
+        class Compiling(torch.fx.Interpreter):
+            def call_module(self, target, args, kwargs):
+                out = super().call_module(target, args, kwargs)
+                if target in names:
+                    submodule = getattr(self.module, target)
+                    backend.progress("inductor", names.index(target) + 1, len(names), label)
+                    if size is None:
+                        output_node = next(iter(reversed(submodule.graph.nodes)))
+                        piece = CompiledPiece(int(target.split("_")[-1]),
+                                              isinstance(output_node.args[0], (tuple, list)), _token_arg(args, symbol))
+                        piece.symbolic = torch._inductor.standalone_compile(
+                            submodule, list(args), dynamic_shapes="from_tracing_context", options=backend.options,
+                            aot=True)
+                        pieces[target] = piece
+                    else:
+                        pieces[target].by_size[size] = torch._inductor.standalone_compile(
+                            submodule, list(args), dynamic_shapes="from_example_inputs", options=backend.options,
+                            aot=True)
+                return out
+
+        if size is None:
+            fake_mode = torch._guards.TracingContext.get().fake_mode
+            fake_inputs = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in inputs]
+            # The python dispatcher keeps fake aten.size symbolic (else HF's rotary specializes the token count).
+            with fake_mode, enable_python_dispatcher():
+                Compiling(split_gm).run(*fake_inputs)
+        else:
+            with torch.no_grad():
+                Compiling(split_gm).run(*inputs)

@@ -1,0 +1,136 @@
+"""Where bundles live: a small store interface and its filesystem backend (the embedded default).
+
+Writes are atomic (a staging directory renamed into place); a bundle that fails its sha256 check is removed and
+reported missing, so it is recompiled, never served. Another backend (object store, Redis) is one more class
+with these five methods.
+"""
+
+import fcntl
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from kiln import bundle
+from kiln.bundle import CorruptBundle, Manifest
+
+_LAST_USED = ".last_used"
+
+
+@dataclass
+class StoredArtifact:
+    manifest: Manifest
+    path: Path
+    last_used_unix: float
+
+
+class ArtifactStore(Protocol):
+    def get(self, key: str) -> Path | None: ...
+    def commit(self, key: str, staged: Path) -> Path: ...
+    def staging_dir(self) -> Path: ...
+    def list(self) -> list[StoredArtifact]: ...
+    def delete(self, key: str) -> int: ...
+
+
+class FilesystemStore:
+    """Bundles as directories ``ROOT/<key>/``; staging under ``ROOT/.staging``, locks under ``ROOT/.locks``."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root).expanduser()
+        (self.root / ".staging").mkdir(parents=True, exist_ok=True)
+        (self.root / ".locks").mkdir(exist_ok=True)
+        self._thread_locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._verified: dict[str, tuple[float, int]] = {}  # key -> (manifest mtime, size) last verified here
+
+    def path(self, key: str) -> Path:
+        if len(key) != 64 or not all(c in "0123456789abcdef" for c in key):
+            raise ValueError(f"not an artifact key: {key!r}")
+        return self.root / key
+
+    @contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        """Exclusive per key, across threads of this process and across processes sharing the store."""
+        with self._guard:
+            thread_lock = self._thread_locks.setdefault(key, threading.Lock())
+        with thread_lock, open(self.root / ".locks" / f"{key}.lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def get(self, key: str) -> Path | None:
+        """The verified bundle, or None; a corrupt bundle is deleted so the caller rebuilds it."""
+        path = self.path(key)
+        if not path.is_dir():
+            return None
+        stamp = self._stamp(path)
+        if self._verified.get(key) != stamp:
+            try:
+                bundle.verify(path)
+            except CorruptBundle:
+                self._remove(path)
+                self._verified.pop(key, None)
+                return None
+            self._verified[key] = stamp
+        self.touch(key)
+        return path
+
+    def touch(self, key: str) -> None:
+        (self.path(key) / _LAST_USED).touch()
+
+    def staging_dir(self) -> Path:
+        return Path(tempfile.mkdtemp(dir=self.root / ".staging"))
+
+    def commit(self, key: str, staged: Path) -> Path:
+        """Move a fully written staging directory into place (atomic rename on one filesystem)."""
+        target = self.path(key)
+        if target.exists():
+            self._remove(target)
+        os.rename(staged, target)
+        self.touch(key)
+        return target
+
+    def discard(self, staged: Path) -> None:
+        shutil.rmtree(staged, ignore_errors=True)
+
+    def list(self) -> list[StoredArtifact]:
+        out = []
+        for path in sorted(self.root.iterdir()):
+            if path.name.startswith(".") or not path.is_dir():
+                continue
+            try:
+                manifest = bundle.read_manifest(path)
+            except CorruptBundle:
+                continue
+            last_used = (path / _LAST_USED).stat().st_mtime if (path / _LAST_USED).exists() else manifest.created_unix
+            out.append(StoredArtifact(manifest, path, last_used))
+        return out
+
+    def delete(self, key: str) -> int:
+        """Remove a bundle; returns the bytes freed (0 when it was not there)."""
+        path = self.path(key)
+        if not path.is_dir():
+            return 0
+        freed = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+        with self.lock(key):
+            self._remove(path)
+        self._verified.pop(key, None)
+        return freed
+
+    def _stamp(self, path: Path) -> tuple[float, int]:
+        files = [p for p in path.iterdir() if p.name != _LAST_USED]
+        return max(p.stat().st_mtime for p in files), sum(p.stat().st_size for p in files)
+
+    def _remove(self, path: Path) -> None:
+        """Rename away first so no reader ever sees a half-deleted bundle."""
+        doomed = self.root / ".staging" / f"deleted-{path.name}-{time.monotonic_ns()}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)

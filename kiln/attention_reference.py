@@ -1,0 +1,49 @@
+"""Paged attention in plain torch: the CPU implementation and the reference the GPU kernels are tested against."""
+
+import torch
+import torch.nn.functional as F
+
+from kiln.forward_context import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values at their slots; slots < 0 are padding and skipped."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[valid].to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(kv_cache.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int = 0) -> torch.Tensor:
+    """Attention of q [Tq, Hq, D] over k/v [Tk, Hkv, D]; query i sits at context position offset + i."""
+    num_q, num_k = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    pos_q = torch.arange(num_q, device=q.device)[:, None] + offset
+    mask = torch.arange(num_k, device=q.device)[None, :] <= pos_q
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Write k/v into the cache, then attend each sequence's queries over its cached context."""
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    out = torch.zeros_like(q)
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i in range(meta.num_seqs):
+        lo, hi, seq_len = starts[i], starts[i + 1], seq_lens[i]
+        num_blocks = -(-seq_len // block_size)
+        blocks = meta.block_tables[i, :num_blocks].long()
+        keys = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        out[lo:hi] = causal_attention(q[lo:hi], keys, values, scale, offset=seq_len - (hi - lo))
+    return out

@@ -1,0 +1,114 @@
+"""The artifact bundle: a directory with the compiled function, its key factors and a manifest of sha256s.
+
+A bundle travels as an uncompressed tar stream whose own sha256 is sent ahead of it.
+"""
+
+import hashlib
+import io
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+KEY_FACTORS = "key_factors.json"
+COMPILED_FN = "compiled_fn.bin"
+
+
+class CorruptBundle(Exception):
+    """A bundle on disk or on the wire does not match its recorded sha256 or size."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class Manifest:
+    key: str
+    model: str
+    config_summary: str
+    num_pieces: int
+    num_splits: int
+    timings: dict[str, float]
+    created_unix: float
+    files: dict[str, dict]  # name -> {"sha256": ..., "size": ...}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f["size"] for f in self.files.values())
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        return cls(**json.loads(text))
+
+
+def write_manifest(bundle_dir: Path, **fields) -> Manifest:
+    """Hash every file in ``bundle_dir`` and write the manifest beside them."""
+    files = {
+        p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+        for p in sorted(bundle_dir.iterdir())
+        if p.name != MANIFEST
+    }
+    manifest = Manifest(files=files, **fields)
+    (bundle_dir / MANIFEST).write_text(manifest.to_json())
+    return manifest
+
+
+def read_manifest(bundle_dir: Path) -> Manifest:
+    try:
+        return Manifest.from_json((bundle_dir / MANIFEST).read_text())
+    except (OSError, ValueError, TypeError) as exc:
+        raise CorruptBundle(f"unreadable manifest in {bundle_dir}: {exc}") from None
+
+
+def verify(bundle_dir: Path) -> Manifest:
+    """Check every file against the manifest; raise CorruptBundle on the first difference."""
+    manifest = read_manifest(bundle_dir)
+    for name, entry in manifest.files.items():
+        path = bundle_dir / name
+        if not path.is_file() or path.stat().st_size != entry["size"]:
+            raise CorruptBundle(f"{name}: missing or wrong size")
+        if sha256_file(path) != entry["sha256"]:
+            raise CorruptBundle(f"{name}: sha256 differs from the manifest")
+    return manifest
+
+
+def pack(bundle_dir: Path) -> bytes:
+    """The bundle as one tar stream, members in a fixed order so equal bundles give equal bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(bundle_dir.iterdir()):
+            info = tarfile.TarInfo(path.name)
+            info.size = path.stat().st_size
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    return buf.getvalue()
+
+
+def unpack(data: bytes, expected_sha256: str, dest: Path) -> None:
+    """Verify a received tar stream and extract it into ``dest`` (which must not exist)."""
+    if hashlib.sha256(data).hexdigest() != expected_sha256:
+        raise CorruptBundle("received bundle's sha256 differs from the one announced")
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        tar.extractall(dest, filter="data")
+
+
+def load_compiled(bundle_dir: Path):
+    """The compiled function of a bundle, called as ``fn(token_model, input_ids, positions)``; never compiles.
+
+    torch checks Python, torch, CUDA, Triton and GPU itself and raises RuntimeError on a mismatch; callers check
+    the key factors first so that a user sees which factor differs.
+    """
+    import torch
+
+    with open(bundle_dir / COMPILED_FN, "rb") as f:
+        return torch.compiler.load_compiled_function(f)

@@ -1,0 +1,93 @@
+"""The compile config: strict, validated at the edge, and canonical so that it can be a cache-key factor."""
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from kiln.attention import ATTENTION_OP_NAME
+from kiln.errors import InvalidArgument
+from kiln.model_spec import default_device
+from protos import common_pb2
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# Ops the graph may be split at: opaque to Inductor, so nothing is lost by cutting there.
+KNOWN_SPLITTING_OPS = (ATTENTION_OP_NAME,)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    splitting_ops: tuple[str, ...] = (ATTENTION_OP_NAME,)  # empty: one full graph
+    compile_sizes: tuple[int, ...] = ()  # token counts compiled statically besides the symbolic shape
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # symbolic range is [1, this]
+    inductor_config_patches: dict = field(default_factory=dict)
+    device: str = "cpu"
+
+    def factors(self) -> dict:
+        d = asdict(self)
+        d["splitting_ops"] = list(self.splitting_ops)
+        d["compile_sizes"] = list(self.compile_sizes)
+        return d
+
+    def summary(self) -> str:
+        split = ",".join(self.splitting_ops) or "full-graph"
+        sizes = ",".join(map(str, self.compile_sizes)) or "-"
+        return f"{self.device} split={split} sizes={sizes} max_tokens={self.max_num_batched_tokens}"
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.CompileConfig) -> "CompileConfig":
+        """Validate a wire config; every error names its field."""
+        device = msg.device or default_device()
+        if device not in ("cpu", "cuda"):
+            raise InvalidArgument(f"config.device: {device!r} is not 'cpu' or 'cuda'")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise InvalidArgument("config.device: 'cuda' asked for but this server has no CUDA device")
+        max_tokens = msg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if max_tokens < 2:
+            raise InvalidArgument(f"config.max_num_batched_tokens: {max_tokens} must be at least 2")
+        splitting_ops = tuple(msg.splitting_ops.ops) if msg.HasField("splitting_ops") else (ATTENTION_OP_NAME,)
+        for op in splitting_ops:
+            if op not in KNOWN_SPLITTING_OPS:
+                raise InvalidArgument(
+                    f"config.splitting_ops: unknown op {op!r}; known: {', '.join(KNOWN_SPLITTING_OPS)}"
+                )
+        for size in msg.compile_sizes:
+            if not 1 <= size <= max_tokens:
+                raise InvalidArgument(
+                    f"config.compile_sizes: {size} is outside the symbolic range [1, {max_tokens}]"
+                )
+        patches = {}
+        if msg.inductor_config_patches_json:
+            try:
+                patches = json.loads(msg.inductor_config_patches_json)
+            except json.JSONDecodeError as exc:
+                raise InvalidArgument(f"config.inductor_config_patches_json: malformed JSON: {exc}") from None
+            if not isinstance(patches, dict):
+                raise InvalidArgument("config.inductor_config_patches_json: expected a JSON object")
+            _check_inductor_patches(patches)
+        return cls(
+            splitting_ops=tuple(dict.fromkeys(splitting_ops)),
+            compile_sizes=tuple(sorted(set(msg.compile_sizes))),
+            max_num_batched_tokens=max_tokens,
+            inductor_config_patches=dict(sorted(patches.items())),
+            device=device,
+        )
+
+    def to_proto(self) -> common_pb2.CompileConfig:
+        return common_pb2.CompileConfig(
+            splitting_ops=common_pb2.SplittingOps(ops=list(self.splitting_ops)),
+            compile_sizes=list(self.compile_sizes),
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            inductor_config_patches_json=json.dumps(self.inductor_config_patches, sort_keys=True),
+            device=self.device,
+        )
+
+
+def _check_inductor_patches(patches: dict) -> None:
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for name in patches:
+        if name not in known:
+            raise InvalidArgument(f"config.inductor_config_patches_json: {name!r} is not an Inductor config option")

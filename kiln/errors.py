@@ -1,0 +1,39 @@
+"""Errors a client can act on, each bound to the gRPC status code it is reported with."""
+
+import grpc
+
+
+class KilnError(Exception):
+    """Base class: the message is shown to the client as is."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(KilnError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(KilnError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(KilnError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(KilnError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(KilnError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Internal(KilnError):
+    code = grpc.StatusCode.INTERNAL
+
+
+def first_line(exc: BaseException) -> str:
+    """The cause of a failure in one line, for a status message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

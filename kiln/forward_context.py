@@ -1,0 +1,57 @@
+"""The per-step attention metadata that Kiln's attention op reads, set by the model runner around each forward.
+
+The op is opaque to Dynamo, so the compiled graph only passes q/k/v and the layer index; the paged KV cache and
+the step's block tables live here, owned by the runner for exactly the duration of one forward.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a flattened step belongs in the paged KV cache.
+
+    Tokens of all sequences are concatenated along one dimension; sequence i owns query tokens
+    ``query_start_loc[i]:query_start_loc[i+1]`` whose context ends at ``seq_lens[i]``.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each token; -1 for padding (skipped)
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    num_seqs: int  # real sequences; rows past it are CUDA-graph padding
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class ForwardContext:
+    kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    """Make ``ctx`` visible to the attention op for the duration of one forward."""
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The context of the forward in flight, or None outside the engine (plain causal attention)."""
+    return _current

@@ -1,0 +1,123 @@
+"""Model specs: a preset, a local Hugging Face directory or an inline config.json, resolved to an HF config."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from kiln.errors import InvalidArgument, NotFound
+from protos import common_pb2
+
+PRESETS: dict[str, dict] = {
+    # Small enough for CPU CI: two layers, so two attention calls and three compiled pieces.
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=True,
+        rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                          original_max_position_embeddings=8192, rope_type="llama3"),
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643, tie_word_embeddings=True,
+        use_sliding_window=False,
+    ),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Fields of config.json that say where or how a config was saved, not what the model computes.
+_NON_FACTOR_FIELDS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
+                      "_attn_implementation_autoset", "_commit_hash", "output_attentions", "output_hidden_states"}
+
+
+@dataclass
+class ResolvedModel:
+    name: str
+    config: PretrainedConfig
+    dtype: torch.dtype
+    hf_dir: Path | None
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def normalized_config(self) -> dict:
+        """The config as a key factor: every field that changes the computation, nothing about its origin."""
+        d = self.config.to_dict()
+        return {k: v for k, v in sorted(d.items()) if k not in _NON_FACTOR_FIELDS and not k.startswith("_")}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve(spec: common_pb2.ModelSpec, device: str) -> ResolvedModel:
+    """Turn a wire ModelSpec into an HF config and dtype, or raise a status the client can act on."""
+    source = spec.WhichOneof("source")
+    hf_dir = None
+    if source == "preset":
+        if spec.preset not in PRESETS:
+            raise NotFound(f"model.preset: unknown preset {spec.preset!r}; known: {', '.join(sorted(PRESETS))}")
+        name, raw = spec.preset, dict(PRESETS[spec.preset])
+    elif source == "hf_dir":
+        hf_dir = Path(spec.hf_dir)
+        config_path = hf_dir / "config.json"
+        if not config_path.is_file():
+            raise NotFound(f"model.hf_dir: no config.json in {hf_dir}")
+        name, raw = hf_dir.name, _parse_json(config_path.read_text(), "model.hf_dir config.json")
+    elif source == "config_json":
+        raw = _parse_json(spec.config_json, "model.config_json")
+        name = raw.get("model_type", "model")
+    else:
+        raise InvalidArgument("model: set one of preset, hf_dir or config_json")
+    return ResolvedModel(name=name, config=_build_config(raw), dtype=_dtype(spec.dtype, device), hf_dir=hf_dir)
+
+
+def _parse_json(text: str, field: str) -> dict:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{field}: malformed JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{field}: expected a JSON object")
+    return raw
+
+
+def _build_config(raw: dict) -> PretrainedConfig:
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise InvalidArgument(f"model config: model_type {model_type!r} is not a causal LM architecture transformers knows")
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"model config: {exc}") from None
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise InvalidArgument(f"model config: {model_class.__name__} does not support custom attention backends")
+    return config
+
+
+def _dtype(name: str, device: str) -> torch.dtype:
+    if not name:
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise InvalidArgument(f"model.dtype: {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]

@@ -1,0 +1,73 @@
+"""The runtime half of the piecewise split: the split graph with Inductor-compiled pieces, as one serializable callable.
+
+It is pickled into the bundle by the compile service and unpickled by ``torch.compiler.load_compiled_function`` in
+the execute service, so it lives here, importable by both. Each piece holds the artifact compiled for the symbolic
+token count and, optionally, artifacts for static token counts (``compile_sizes``), chosen per call.
+"""
+
+import pickle
+
+import torch
+from torch._dynamo.aot_compile_types import SerializableCallable
+from torch._inductor.standalone_compile import AOTCompiledArtifact
+
+
+class CompiledPiece(torch.nn.Module):
+    """One compiled submodule of the split graph, standing in for the FX submodule it replaced."""
+
+    def __init__(self, index: int, tuple_output: bool, token_arg: tuple[int, int | None]):
+        super().__init__()
+        self.index = index
+        self.tuple_output = tuple_output
+        self.token_arg = token_arg  # (argument position, dim) giving the token count; dim None: a SymInt arg
+        self.symbolic: AOTCompiledArtifact | None = None
+        self.by_size: dict[int, AOTCompiledArtifact] = {}
+
+    def num_tokens(self, args) -> int:
+        pos, dim = self.token_arg
+        return int(args[pos]) if dim is None else args[pos].shape[dim]
+
+    def forward(self, *args):
+        artifact = self.by_size.get(self.num_tokens(args), self.symbolic) if self.by_size else self.symbolic
+        out = artifact(*args)
+        # AOT artifacts return a bare tensor for a single output where the FX submodule returned it bare too.
+        if self.tuple_output or not isinstance(out, (list, tuple)):
+            return out
+        return out[0]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["symbolic"] = None
+        state["by_size"] = {}
+        return state
+
+
+class PiecewiseFunction(SerializableCallable):
+    """The split graph module whose compiled submodules are CompiledPieces; splitting ops run eagerly between them."""
+
+    def __init__(self, split_module: torch.fx.GraphModule, pieces: dict[str, CompiledPiece]):
+        self.split_module = split_module
+        self.pieces = pieces
+
+    def __call__(self, *args):
+        return self.split_module(*args)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "PiecewiseFunction") -> bytes:
+        artifacts = {
+            name: {"symbolic": p.symbolic.serialize(), "by_size": {n: a.serialize() for n, a in p.by_size.items()}}
+            for name, p in fn.pieces.items()
+        }
+        return pickle.dumps({"split_module": fn.split_module, "artifacts": artifacts})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "PiecewiseFunction":
+        state = pickle.loads(data)
+        split_module = state["split_module"]
+        pieces = {}
+        for name, blobs in state["artifacts"].items():
+            piece = getattr(split_module, name)
+            piece.symbolic = AOTCompiledArtifact.deserialize(blobs["symbolic"])
+            piece.by_size = {n: AOTCompiledArtifact.deserialize(b) for n, b in blobs["by_size"].items()}
+            pieces[name] = piece
+        return cls(split_module, pieces)
