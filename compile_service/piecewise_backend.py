@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 from torch._dispatch.python import enable_python_dispatcher
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.passes.split_module import split_module
 
 from kiln.piecewise import CompiledPiece, PiecewiseFunction
@@ -56,14 +57,32 @@ def _token_arg(args, symbol) -> tuple[int, int | None]:
     return 0, 0  # a piece without the token dimension: compile sizes cannot differ, any arg will do
 
 
+class SymbolicRangeTag(CustomGraphPass):
+    """A no-op post-grad pass whose uuid puts the token range into Inductor's cache key.
+
+    Without it, a piece cached under a narrower range (say [2, 64]) is a hit for a wider one and its guard
+    contradicts the requested range: the compile fails with a ConstraintViolationError.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return f"kiln-token-range-1-{self.max_tokens}"
+
+
 class PiecewiseBackend:
     """Callable as a torch.compile backend; records what it split and compiled in ``stats``."""
 
-    def __init__(self, splitting_ops: tuple[str, ...], compile_sizes: tuple[int, ...], config_patches: dict,
-                 concrete_inputs: Callable[[int], tuple], progress: ProgressFn):
+    def __init__(self, splitting_ops: tuple[str, ...], compile_sizes: tuple[int, ...], max_tokens: int,
+                 config_patches: dict, concrete_inputs: Callable[[int], tuple], progress: ProgressFn):
         self.split_targets = _split_op_targets(splitting_ops)
         self.compile_sizes = compile_sizes
-        self.options = {"config_patches": dict(config_patches)}
+        self.options = {"config_patches": {**config_patches,
+                                           "post_grad_custom_post_pass": SymbolicRangeTag(max_tokens)}}
         self.concrete_inputs = concrete_inputs  # size -> real (input_ids, positions) of that many tokens
         self.progress = progress
         self.stats = SplitStats()
@@ -107,7 +126,7 @@ class PiecewiseBackend:
         ids, positions = self.concrete_inputs(size)
         token_inputs = iter((ids, positions))
         out = []
-        for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs, strict=True):
             example = node.meta.get("example_value")
             if isinstance(value, torch.SymInt) or isinstance(example, torch.SymInt):
                 out.append(size)

@@ -81,7 +81,8 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
         ids = torch.randint(0, vocab, (n,), device=config.device)
         return ids, torch.arange(n, device=config.device)
 
-    backend = PiecewiseBackend(config.splitting_ops, config.compile_sizes, config.inductor_config_patches,
+    backend = PiecewiseBackend(config.splitting_ops, config.compile_sizes, config.max_num_batched_tokens,
+                               config.inductor_config_patches,
                                concrete_inputs, progress)
     ids, positions = concrete_inputs(min(TRACE_TOKENS, config.max_num_batched_tokens))
     for tensor in (ids, positions):

@@ -1,0 +1,400 @@
+"""Paged attention on CUDA with Triton: the GPU implementation of Kiln's attention op.
+
+Same semantics as ``kiln.attention_reference.paged_attention``, in three kernels:
+
+- ``_write_kv_kernel`` stores the step's keys and values at their cache slots (padding slots < 0 are skipped).
+- Decode (every sequence has one query token) is flash-decoding: a program owns one sequence, one kv head and one
+  split of the context, attends all query heads of that kv head at once (K/V are read once per GQA group), and a
+  second kernel merges the splits by their log-sum-exp. The grid depends only on tensor shapes and the device, and
+  the kernels read sequence lengths and block tables on the device, so a decode step captured in a CUDA graph
+  stays correct when it is replayed with other lengths and tables.
+- Every other step (prefill, mixed prefill and decode, prefill over a cached prefix) runs one varlen
+  flash-attention launch over the paged cache: the new tokens are written first, so a sequence's whole context
+  is read from the cache, and queries sit at the end of it (causal).
+
+Accumulation is in fp32 (fp32 inputs use tf32 dots); the output has q's dtype. Rows of the batch that are CUDA-graph
+padding (sequence length 0) produce zeros.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.forward_context import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
+MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
+DECODE_BLOCK_N = 32  # context tokens per decode loop iteration
+PREFILL_BLOCK_M = 64  # query tokens per prefill program
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    num_kv_heads,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One program per token: copy its k/v [Hkv, D] into the cache at its slot, unless the slot is < 0."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    mask = (heads < num_kv_heads) & (slot >= 0)
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims * stride_cd
+    tl.store(k_cache_ptr + dest, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Attend the query heads of one kv head over one split of one sequence's context.
+
+    Writes the split's normalised output and its log2-sum-exp (-inf for an empty split) for the reduce kernel.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(query_start_loc_ptr + seq)
+    has_query = tl.load(query_start_loc_ptr + seq + 1) > token
+    seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    groups = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + groups
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=(groups[:, None] < GROUP) & has_query,
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offs = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_offs = offs[:, None] + dims[None, :] * stride_cd
+        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    row_mask = groups < GROUP
+    part = part_out_ptr + seq.to(tl.int64) * stride_pob + split * stride_pos
+    tl.store(part + heads[:, None] * stride_poh + dims[None, :], out, mask=row_mask[:, None])
+    tl.store(part_lse_ptr + seq.to(tl.int64) * stride_plb + heads * stride_plh + split, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    num_splits,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Merge the splits of one (sequence, query head) into its output row; zeros when the context is empty."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq)
+    has_query = tl.load(query_start_loc_ptr + seq + 1) > token
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, HEAD_DIM)
+    split_mask = splits < num_splits
+    lse = tl.load(part_lse_ptr + seq * stride_plb + head * stride_plh + splits, mask=split_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    parts = tl.load(
+        part_out_ptr + seq * stride_pob + head * stride_poh + splits[:, None] * stride_pos + dims[None, :],
+        mask=split_mask[:, None],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=has_query,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's cached context."""
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len  # context tokens before this step's queries
+    kv_head = head // GROUP
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd,
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    q_pos = prefix + rows
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    end = tl.minimum(seq_len, prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len))
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offs = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_offs = offs[:, None] + dims[None, :] * stride_cd
+        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        scores = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs to fill the GPU twice, from shapes only (never from this step's lengths)."""
+    fill = triton.cdiv(2 * _sm_count(device.index or 0), batch * num_kv_heads)
+    return max(1, min(fill, MAX_DECODE_SPLITS, triton.cdiv(max_context, MIN_SPLIT_TOKENS)))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, Hkv, D] at their slots of ``kv_cache``; slots < 0 are padding and left untouched."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _write_kv_kernel[(k.shape[0],)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        num_kv_heads,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+    )
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    batch = meta.seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = kv_cache.shape[2:4]
+    group = num_heads // num_kv_heads
+    num_splits = _decode_splits(batch, num_kv_heads, meta.block_tables.shape[1] * block_size, q.device)
+    part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        num_splits,
+        *q.stride(),
+        *k_cache.stride(),
+        meta.block_tables.stride(0),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=DECODE_BLOCK_N,
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        meta.query_start_loc,
+        num_splits,
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        *out.stride()[:2],
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4,
+    )
+
+
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    batch = meta.seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = kv_cache.shape[2:4]
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (triton.cdiv(meta.max_query_len, PREFILL_BLOCK_M), batch, num_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        out,
+        scale * LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        meta.block_tables.stride(0),
+        *out.stride()[:2],
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_N=64 if q.element_size() <= 2 else 32,
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Write k/v into the cache, then attend each sequence's queries over its cached context -> [T, Hq, D].
+
+    Tokens that belong to no sequence, and those of sequences with an empty context, get zeros.
+    """
+    head_dim = q.shape[-1]
+    if head_dim != triton.next_power_of_2(head_dim) or head_dim != kv_cache.shape[-1]:
+        raise ValueError(f"head_dim {head_dim} must be a power of two and match the cache's {kv_cache.shape[-1]}")
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    if meta.is_decode:
+        _decode(q, kv_cache, meta, scale, out)
+    else:
+        _prefill(q, kv_cache, meta, scale, out)
+    return out
+
