@@ -101,7 +101,7 @@ def _parse_json(text: str, field: str) -> dict:
 def _build_config(raw: dict) -> PretrainedConfig:
     model_type = raw.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise InvalidArgument(f"model config: model_type {model_type!r} is not a causal LM architecture transformers has")
+        raise InvalidArgument(f"model config: model_type {model_type!r} is not a causal LM transformers knows")
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(model_type, **fields)
