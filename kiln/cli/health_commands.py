@@ -1,0 +1,56 @@
+"""``kiln health ADDR``: one standard gRPC health Check; exit 0 when SERVING, 1 otherwise (compose healthchecks)."""
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = "SERVING"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("health", help="check a server through the gRPC health service (exit 0 when SERVING)")
+    p.add_argument("address", help="host:port of a compile or execute service")
+    p.add_argument("--service", default="",
+                   help="name to check: '' is the whole server (default), kiln.v1.ExecService/<model> one model")
+    p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for an answer (default: %(default)s)")
+    p.set_defaults(handler=run_health)
+
+
+def check(address: str, service: str = "", timeout: float = 5.0) -> str:
+    """The serving status name (SERVING, NOT_SERVING, ...); raises grpc.RpcError when there is no answer."""
+    with grpc.insecure_channel(address) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def run_health(args) -> int:
+    what = f"{args.address} service {args.service!r}" if args.service else args.address
+    try:
+        status = check(args.address, args.service, args.timeout)
+    except grpc.RpcError as exc:
+        print(f"error: {what}: {exc.code().name}: {_reason(exc)}", file=sys.stderr)
+        return 1
+    if status != SERVING:
+        print(f"error: {what}: {status}", file=sys.stderr)
+        return 1
+    print(f"{what}: {status}")
+    return 0
+
+
+def _reason(exc: grpc.RpcError) -> str:
+    """The health service's own words for the usual failures, which gRPC's details leave terse."""
+    if exc.code() == grpc.StatusCode.NOT_FOUND:
+        return "the server does not know this service name (is the model loaded?)"
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return f"nothing answers there ({exc.details()})"
+    return exc.details() or "no details"
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
