@@ -1,0 +1,74 @@
+"""Shared fixtures: one real compile server on loopback for the session, and the tiny model compiled once."""
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from kiln.grpc_server import CHANNEL_OPTIONS
+from protos import common_pb2, compile_pb2, compile_pb2_grpc
+
+# The compile config every test shares, so the tiny model compiles once per session.
+TINY_MODEL = common_pb2.ModelSpec(preset="tiny-llama")
+TINY_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[8], max_num_batched_tokens=128)
+
+
+class BackgroundServer:
+    """A grpc.aio server running on its own event loop in a daemon thread."""
+
+    def __init__(self, start_coro_factory):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server, self.port = self.run(start_coro_factory())
+        self.address = f"127.0.0.1:{self.port}"
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self):
+        self.run(self.server.stop(grace=1))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="session")
+def compile_store(tmp_path_factory):
+    return tmp_path_factory.mktemp("compile-store")
+
+
+@pytest.fixture(scope="session")
+def compile_server(compile_store):
+    from compile_service.server import start_compile_server
+
+    server = BackgroundServer(lambda: start_compile_server(compile_store, "127.0.0.1:0"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def compile_stub(compile_server):
+    channel = grpc.insecure_channel(compile_server.address, options=CHANNEL_OPTIONS)
+    yield compile_pb2_grpc.CompileServiceStub(channel)
+    channel.close()
+
+
+def compile_result(stub, model=TINY_MODEL, config=TINY_CONFIG) -> compile_pb2.CompileResult:
+    """Run a Compile to the end and return its result."""
+    events = list(stub.Compile(compile_pb2.CompileRequest(model=model, config=config)))
+    assert events[-1].HasField("result")
+    return events[-1].result
+
+
+@pytest.fixture(scope="session")
+def tiny_compiles(compile_stub):
+    """The session's first compile of the tiny model, sent twice at once: the store must compile it once."""
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: compile_result(compile_stub), range(2)))
+    return results
+
+
+@pytest.fixture(scope="session")
+def tiny_key(tiny_compiles) -> str:
+    return tiny_compiles[0].key.digest

@@ -1,0 +1,215 @@
+"""The compile service through its real gRPC server: compile, hit, fetch, list, delete, and every bad input."""
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import TINY_CONFIG, TINY_MODEL, compile_result
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from kiln import bundle
+from kiln.counters import compile_counts
+from protos import common_pb2, compile_pb2
+
+
+def test_concurrent_identical_compiles_compile_once(tiny_compiles, compile_store):
+    hits = sorted(r.cache_hit for r in tiny_compiles)
+    assert hits == [False, True]
+    assert tiny_compiles[0].key.digest == tiny_compiles[1].key.digest
+    assert [p.name for p in compile_store.iterdir() if not p.name.startswith(".")] == [tiny_compiles[0].key.digest]
+    assert not list((compile_store / ".staging").iterdir())
+
+
+def test_split_gives_one_piece_more_than_attention_calls(tiny_compiles):
+    result = next(r for r in tiny_compiles if not r.cache_hit)
+    assert result.num_splits == 2  # tiny-llama: two layers, two attention calls
+    assert result.num_pieces == result.num_splits + 1
+    phases = {t.phase for t in result.timings}
+    assert {"trace", "split", "inductor", "save"} <= phases
+
+
+def test_second_compile_is_a_hit_without_inductor(compile_stub, tiny_key):
+    before = compile_counts()
+    result = compile_result(compile_stub)
+    assert result.cache_hit and result.key.digest == tiny_key
+    assert compile_counts() - before == type(before)(0, 0)
+
+
+def test_compile_streams_progress_per_piece_and_size(compile_stub):
+    config = common_pb2.CompileConfig()
+    config.CopyFrom(TINY_CONFIG)
+    config.compile_sizes.append(4)
+    events = list(compile_stub.Compile(compile_pb2.CompileRequest(model=TINY_MODEL, config=config)))
+    inductor = [(e.progress.piece, e.progress.num_pieces, e.progress.size) for e in events
+                if e.HasField("progress") and e.progress.phase == "inductor"]
+    assert inductor == [(i, 3, s) for s in ("symbolic", "4", "8") for i in (1, 2, 3)]
+    assert not events[-1].result.cache_hit
+
+
+def test_full_graph_when_splitting_ops_empty(compile_stub):
+    config = common_pb2.CompileConfig()
+    config.CopyFrom(TINY_CONFIG)
+    config.splitting_ops.SetInParent()
+    del config.compile_sizes[:]
+    result = compile_result(compile_stub, config=config)
+    assert (result.num_pieces, result.num_splits) == (1, 0)
+
+
+FRESH_PROCESS_LOAD = textwrap.dedent("""
+    import json, sys, torch
+    from pathlib import Path
+    from kiln.bundle import load_compiled
+    from kiln.counters import compile_counts
+    from kiln.model import build_model
+    from kiln.model_spec import resolve
+    from protos import common_pb2
+    model = build_model(resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu"), "cpu", seed=7)
+    before = compile_counts()
+    fn = load_compiled(Path(sys.argv[1]))
+    out = {}
+    with torch.no_grad():
+        for n in (8, 5, 1):
+            ids = torch.randint(0, 512, (n,)); pos = torch.arange(n)
+            got, want = model.logits(fn(model, ids, pos)), model.logits(model(ids, pos))
+            out[n] = [list(got.shape), (got - want).abs().max().item()]
+    delta = compile_counts() - before
+    print(json.dumps({"sizes": out, "dynamo_graphs": delta.dynamo_graphs, "inductor": delta.inductor_compiles}))
+""")
+
+
+def test_fresh_process_loads_without_dynamo_and_matches_eager(compile_store, tiny_key):
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LOAD, str(compile_store / tiny_key)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["dynamo_graphs"] == 0 and report["inductor"] == 0
+    for n, (shape, maxdiff) in report["sizes"].items():
+        assert shape == [int(n), 512]
+        assert maxdiff < 1e-4, f"{n} tokens: logits differ by {maxdiff}"
+
+
+def test_get_artifact_streams_chunks_with_sha256(compile_stub, tiny_key, tmp_path):
+    key = common_pb2.ArtifactKey(digest=tiny_key)
+    chunks = list(compile_stub.GetArtifact(compile_pb2.GetArtifactRequest(key=key, chunk_bytes=256 * 1024)))
+    header, data = chunks[0].header, b"".join(c.data for c in chunks[1:])
+    assert len(chunks) > 2 and all(len(c.data) <= 256 * 1024 for c in chunks[1:])
+    assert len(data) == header.total_bytes and hashlib.sha256(data).hexdigest() == header.sha256
+    assert json.loads(header.manifest_json)["key"] == tiny_key
+    bundle.unpack(data, header.sha256, tmp_path / "b")
+    assert bundle.verify(tmp_path / "b").key == tiny_key
+
+
+def test_list_and_delete(compile_stub, tiny_key):
+    listed = {a.key.digest: a for a in compile_stub.ListArtifacts(compile_pb2.ListArtifactsRequest()).artifacts}
+    info = listed[tiny_key]
+    assert info.model == "tiny-llama" and info.num_pieces == 3 and info.size_bytes > 0
+    assert info.last_used_unix >= info.created_unix and "sizes=8" in info.config_summary
+    # Delete something else than the shared bundle: a full-graph compile made by another test or here.
+    config = common_pb2.CompileConfig()
+    config.CopyFrom(TINY_CONFIG)
+    config.splitting_ops.SetInParent()
+    del config.compile_sizes[:]
+    doomed = compile_result(compile_stub, config=config).key
+    freed = compile_stub.DeleteArtifact(compile_pb2.DeleteArtifactRequest(key=doomed)).freed_bytes
+    assert freed > 0
+    remaining = {a.key.digest for a in compile_stub.ListArtifacts(compile_pb2.ListArtifactsRequest()).artifacts}
+    assert doomed.digest not in remaining and tiny_key in remaining
+    with pytest.raises(grpc.RpcError) as err:
+        compile_stub.DeleteArtifact(compile_pb2.DeleteArtifactRequest(key=doomed))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_corrupted_bundle_is_detected_and_recompiled(compile_stub, compile_store, tiny_key):
+    compiled = compile_store / tiny_key / bundle.COMPILED_FN
+    data = bytearray(compiled.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    compiled.write_bytes(bytes(data))
+    result = compile_result(compile_stub)
+    assert not result.cache_hit and result.key.digest == tiny_key
+    assert bundle.verify(compile_store / tiny_key).key == tiny_key
+    assert compile_result(compile_stub).cache_hit
+
+
+def _config(**fields) -> common_pb2.CompileConfig:
+    config = common_pb2.CompileConfig()
+    config.CopyFrom(TINY_CONFIG)
+    for name, value in fields.items():
+        if name == "splitting_ops":
+            config.splitting_ops.ops[:] = value
+        elif name == "compile_sizes":
+            config.compile_sizes[:] = value
+        else:
+            setattr(config, name, value)
+    return config
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+
+
+@pytest.mark.parametrize("model, config, code, field", [
+    (common_pb2.ModelSpec(preset="no-such-model"), TINY_CONFIG, grpc.StatusCode.NOT_FOUND, "model.preset"),
+    (common_pb2.ModelSpec(hf_dir="/no/such/dir"), TINY_CONFIG, grpc.StatusCode.NOT_FOUND, "model.hf_dir"),
+    (common_pb2.ModelSpec(config_json="{not json"), TINY_CONFIG, grpc.StatusCode.INVALID_ARGUMENT,
+     "model.config_json"),
+    (common_pb2.ModelSpec(config_json=json.dumps({"model_type": "bert"})), TINY_CONFIG,
+     grpc.StatusCode.INVALID_ARGUMENT, "model_type"),
+    (common_pb2.ModelSpec(config_json=json.dumps({"model_type": "no-such-arch"})), TINY_CONFIG,
+     grpc.StatusCode.INVALID_ARGUMENT, "model_type"),
+    (TINY_MODEL, _config(compile_sizes=[4096]), grpc.StatusCode.INVALID_ARGUMENT, "config.compile_sizes"),
+    (TINY_MODEL, _config(compile_sizes=[0]), grpc.StatusCode.INVALID_ARGUMENT, "config.compile_sizes"),
+    (TINY_MODEL, _config(compile_sizes=[-3]), grpc.StatusCode.INVALID_ARGUMENT, "config.compile_sizes"),
+    (TINY_MODEL, _config(splitting_ops=["aten::mm"]), grpc.StatusCode.INVALID_ARGUMENT, "config.splitting_ops"),
+    (TINY_MODEL, _config(max_num_batched_tokens=-5), grpc.StatusCode.INVALID_ARGUMENT,
+     "config.max_num_batched_tokens"),
+    (TINY_MODEL, _config(inductor_config_patches_json='{"no_such_option": 1}'), grpc.StatusCode.INVALID_ARGUMENT,
+     "config.inductor_config_patches_json"),
+    (TINY_MODEL, _config(device="tpu"), grpc.StatusCode.INVALID_ARGUMENT, "config.device"),
+    (common_pb2.ModelSpec(preset="tiny-llama", dtype="int4"), TINY_CONFIG, grpc.StatusCode.INVALID_ARGUMENT,
+     "model.dtype"),
+])
+def test_bad_input_gets_its_status(compile_stub, model, config, code, field):
+    with pytest.raises(grpc.RpcError) as err:
+        compile_result(compile_stub, model=model, config=config)
+    assert err.value.code() == code
+    assert field in err.value.details()
+
+
+def test_failure_inside_torch_is_internal_and_leaves_store_clean(compile_stub, compile_store):
+    before = sorted(p.name for p in compile_store.iterdir())
+    broken = dict(LLAMA, num_key_value_heads=3)  # 4 query heads cannot group over 3 KV heads
+    with pytest.raises(grpc.RpcError) as err:
+        compile_result(compile_stub, model=common_pb2.ModelSpec(config_json=json.dumps(broken)))
+    assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    assert "Traceback" not in err.value.details() and len(err.value.details().splitlines()) == 1
+    assert sorted(p.name for p in compile_store.iterdir()) == before
+    assert not list((compile_store / ".staging").iterdir())
+    assert compile_result(compile_stub).cache_hit  # the server is still serving
+
+
+def test_health_and_reflection(compile_server):
+    with grpc.insecure_channel(compile_server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service="kiln.v1.CompileService")).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "kiln.v1.CompileService" in services and "grpc.health.v1.Health" in services
+
+
+def test_cli_compile_reports_key_and_timings(compile_server, tiny_key):
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", "tiny-llama", "--server",
+                           compile_server.address, "--device", "cpu", "--compile-sizes", "8",
+                           "--max-num-batched-tokens", "128", "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["key"]["digest"] == tiny_key and result["cache_hit"] is True
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "compile", "nope", "--server", compile_server.address],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "NOT_FOUND" in proc.stderr and "Traceback" not in proc.stderr
