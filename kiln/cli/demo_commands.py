@@ -1,0 +1,159 @@
+"""``kiln demo``: the whole system on loopback, no Docker: both services as child processes, one model loaded,
+a few prompts generated at once, the forward-time table, then a clean shutdown."""
+
+import asyncio
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from kiln.cli.compile_commands import DEFAULT_STORE
+from kiln.cli.service_process import ServiceFailed, ServiceProcess, child_environment, free_port, kiln_command
+from kiln.grpc_server import CHANNEL_OPTIONS
+from protos import common_pb2, exec_pb2, exec_pb2_grpc
+from tracing.forward_stats import BatchSizeStat, stats_line
+
+# A real model's config where a GPU can run it; the CI-sized one on a CPU.
+GPU_PRESET = "llama-3.2-1b"
+CPU_PRESET = "tiny-llama"
+# Different lengths, so the first steps mix prefills of several sizes before the decodes batch up.
+PROMPT_LENGTHS = (5, 12, 23, 40, 7, 31, 16, 9)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="run both services locally, load a model, generate, show forward times")
+    p.add_argument("--model", default="",
+                   help=f"preset to serve (default: {GPU_PRESET} on a GPU, {CPU_PRESET} on CPU)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="", help="default: cuda when there is one")
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--store", default=DEFAULT_STORE,
+                       help="artifact store kept between runs, so a second demo is a cache hit (default: %(default)s)")
+    store.add_argument("--temp-store", action="store_true",
+                       help="a fresh store in a temporary directory, removed at exit: a cold compile every run")
+    p.add_argument("--prompts", type=int, default=4, choices=range(1, len(PROMPT_LENGTHS) + 1), metavar="N",
+                   help=f"prompts generated concurrently, 1 to {len(PROMPT_LENGTHS)} (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=120.0,
+                   help="seconds each service may take to report SERVING (default: %(default)s)")
+    p.set_defaults(handler=run_demo)
+
+
+def run_demo(args) -> int:
+    device = args.device or _default_device()
+    model = args.model or (GPU_PRESET if device == "cuda" else CPU_PRESET)
+    workdir = Path(tempfile.mkdtemp(prefix="kiln-demo-"))
+    store = workdir / "store" if args.temp_store else Path(args.store).expanduser()
+    services: list[ServiceProcess] = []
+    failed = True
+    try:
+        _say(f"kiln demo: {model} on {device}; store {store}; service logs in {workdir}")
+        compile_port, exec_port = free_port(), free_port()
+        compile_service = ServiceProcess(
+            "compile", kiln_command("compile-server", "--host", "127.0.0.1", "--port", str(compile_port),
+                                    "--store", str(store)),
+            f"127.0.0.1:{compile_port}", workdir / "compile.log", child_environment())
+        exec_service = ServiceProcess(
+            "exec", kiln_command("exec-server", "--host", "127.0.0.1", "--port", str(exec_port),
+                                 "--compile-server", compile_service.address),
+            f"127.0.0.1:{exec_port}", workdir / "exec.log", child_environment())
+        for service in (compile_service, exec_service):
+            service.start()
+            services.append(service)
+        for service in services:
+            seconds = service.wait_healthy(args.startup_timeout)
+            _say(f"{service.name} service serving at {service.address} ({seconds:.1f}s)")
+        asyncio.run(_exercise(exec_service.address, model, device, args.prompts, args.max_tokens))
+        for service in reversed(services):
+            service.stop()
+            _say(f"{service.name} service stopped")
+        failed = False
+        return 0
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except ServiceFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for service in services:
+            service.kill()
+        if failed:
+            print(f"service logs kept in {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _exercise(address: str, model: str, device: str, num_prompts: int, max_tokens: int) -> None:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = exec_pb2_grpc.ExecServiceStub(channel)
+        sizing = await _load(stub, model, device)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, sizing.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS[:num_prompts]]
+        _say(f"\ngenerating {max_tokens} tokens for {len(prompts)} prompts at once (greedy)")
+        started = time.monotonic()
+        results = await asyncio.gather(*(_generate(stub, model, p, max_tokens) for p in prompts))
+        elapsed = time.monotonic() - started
+        for i, (prompt, (tokens, usage)) in enumerate(zip(prompts, results, strict=True)):
+            _say(f"  prompt {i} ({len(prompt)} tokens) -> {len(tokens)} tokens, first after "
+                 f"{usage.time_to_first_token_s:.3f}s, done after {usage.total_s:.3f}s: {tokens}")
+        total = sum(len(tokens) for tokens, _ in results)
+        _say(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s)")
+        stats = await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))
+        _say("\n" + stats_line([_stat(s) for s in stats.stats]))
+        for s in stats.stats:
+            _say(f"  batch {s.batch_size:3d}: {s.count:4d} forwards, median {s.median_ms:8.2f} ms, "
+                 f"p90 {s.p90_ms:8.2f} ms, {s.runtime_mode}")
+
+
+async def _load(stub, model: str, device: str) -> exec_pb2.ModelSizing:
+    """LoadModel, printing each startup phase as it streams; returns the sizing of the ready model."""
+    _say(f"\nloading {model} (a cold compile takes a minute or more; a cache hit, seconds)")
+    request = exec_pb2.LoadModelRequest(name=model, model=common_pb2.ModelSpec(preset=model),
+                                        config=common_pb2.CompileConfig(device=device))
+    async for event in stub.LoadModel(request):
+        if event.HasField("ready"):
+            s = event.ready
+            _say(f"ready: {s.runtime_mode} on {s.device}, {s.num_kv_blocks} KV blocks of {s.block_size} tokens, "
+                 f"bundle {s.key.digest[:16] or '-'}")
+            return s
+        p = event.phase
+        if p.progress:
+            _say(f"           {p.phase:<20} {p.detail}")
+        else:
+            _say(f"  {p.seconds:7.2f}s  {p.phase:<20} {p.detail}")
+    raise RuntimeError("LoadModel stream ended before the model was ready")
+
+
+async def _generate(stub, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], exec_pb2.Usage]:
+    request = exec_pb2.GenerateRequest(model=model, prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+                                       ignore_eos=True)
+    tokens: list[int] = []
+    usage = exec_pb2.Usage()
+    async for response in stub.Generate(request):
+        tokens.extend(response.token_ids)
+        if response.HasField("usage"):
+            usage = response.usage
+    return tokens, usage
+
+
+def _stat(s: exec_pb2.BatchSizeStats) -> BatchSizeStat:
+    return BatchSizeStat(model=s.model, batch_size=s.batch_size, count=s.count, median_ms=s.median_ms,
+                         p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode)
+
+
+def _default_device() -> str:
+    import torch  # only here: the other commands should not pay for importing it
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _say(text: str) -> None:
+    """The demo's output is its product, so it goes to stdout, unbuffered, not to the log."""
+    print(text, flush=True)

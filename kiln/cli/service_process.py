@@ -1,0 +1,113 @@
+"""A Kiln server run as a child process on loopback: started, waited on until healthy, stopped with SIGTERM.
+
+``kiln demo`` runs the compile and execute services this way, and the compose tests run each compose service's
+command the same way, so both prove the path a user takes without Docker.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from kiln.cli.health_commands import SERVING, check
+
+# How often to ask the health service while a server starts (importing torch alone takes seconds).
+POLL_S = 0.5
+
+
+class ServiceFailed(RuntimeError):
+    """A child server that exited, never became healthy, or did not stop cleanly; the message says which."""
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the child binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kiln_command(*args: str) -> list[str]:
+    """``kiln ARGS`` through this interpreter, so it works without the console script on PATH."""
+    return [sys.executable, "-m", "kiln.cli", *args]
+
+
+class ServiceProcess:
+    """One server: its command, its address, its log file."""
+
+    def __init__(self, name: str, argv: Sequence[str], address: str, log_path: Path, env: dict | None = None):
+        self.name = name
+        self.argv = list(argv)
+        self.address = address
+        self.log_path = Path(log_path)
+        self.env = env
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=self.env)
+
+    def wait_healthy(self, timeout: float, service: str = "") -> float:
+        """Seconds until the health service said SERVING; ServiceFailed if the child died or time ran out."""
+        started = time.monotonic()
+        last = "no answer yet"
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise ServiceFailed(f"{self.name} service exited with code {self.process.returncode} before it "
+                                    f"served\n{self.log_tail()}")
+            try:
+                last = check(self.address, service, timeout=POLL_S * 2)
+                if last == SERVING:
+                    return time.monotonic() - started
+            except grpc.RpcError as exc:
+                last = exc.code().name
+            time.sleep(POLL_S)
+        raise ServiceFailed(f"{self.name} service at {self.address} not SERVING after {timeout:.0f}s "
+                            f"(last: {last})\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait for the graceful drain; SIGKILL and ServiceFailed if it hangs or exits non-zero."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise ServiceFailed(f"{self.name} service ignored SIGTERM for {timeout:.0f}s and was killed\n"
+                                f"{self.log_tail()}") from None
+        if code != 0:
+            raise ServiceFailed(f"{self.name} service exited with code {code} on SIGTERM\n{self.log_tail()}")
+        return code
+
+    def kill(self) -> None:
+        """For cleanup after a failure: no grace, no questions."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return f"(no log at {self.log_path})"
+        return "\n".join(f"  {self.name}| {line}" for line in text)
+
+
+def child_environment(**overrides: str) -> dict:
+    """This process's environment (OTEL_* included, so the children trace where we would) plus ``overrides``.
+
+    OTEL_SERVICE_NAME is left out: each server names itself (kiln-compile, kiln-exec), and one shared name would
+    merge the two services in Jaeger.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "OTEL_SERVICE_NAME"}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(overrides)
+    return env
