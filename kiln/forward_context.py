@@ -4,6 +4,7 @@ The op is opaque to Dynamo, so the compiled graph only passes q/k/v and the laye
 the step's block tables live here, owned by the runner for exactly the duration of one forward.
 """
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,20 +39,21 @@ class ForwardContext:
     metadata: AttentionMetadata
 
 
-_current: ForwardContext | None = None
+# Per thread: each model's engine steps in its own thread, and another model may profile or load meanwhile.
+_local = threading.local()
 
 
 @contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[None]:
     """Make ``ctx`` visible to the attention op for the duration of one forward."""
-    global _current
-    previous, _current = _current, ctx
+    previous = getattr(_local, "current", None)
+    _local.current = ctx
     try:
         yield
     finally:
-        _current = previous
+        _local.current = previous
 
 
 def current_forward_context() -> ForwardContext | None:
     """The context of the forward in flight, or None outside the engine (plain causal attention)."""
-    return _current
+    return getattr(_local, "current", None)
