@@ -40,7 +40,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("name", "model", "config", "key", "weights", "weights_seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_bytes", "block_size", "capture_sizes", "runtime_mode")
+    __slots__ = ("name", "model", "config", "key", "weights", "weights_seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_bytes", "block_size", "capture_sizes", "runtime_mode", "max_num_waiting")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class LoadModelRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_SIZES_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: _common_pb2.ModelSpec
     config: _common_pb2.CompileConfig
@@ -69,7 +70,8 @@ class LoadModelRequest(_message.Message):
     block_size: int
     capture_sizes: _containers.RepeatedScalarFieldContainer[int]
     runtime_mode: RuntimeMode
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., weights: _Optional[str] = ..., weights_seed: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[_Union[RuntimeMode, str]] = ...) -> None: ...
+    max_num_waiting: int
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., weights: _Optional[str] = ..., weights_seed: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[_Union[RuntimeMode, str]] = ..., max_num_waiting: _Optional[int] = ...) -> None: ...
 
 class StartupPhase(_message.Message):
     __slots__ = ("phase", "seconds", "detail", "progress")
