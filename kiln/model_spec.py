@@ -43,7 +43,7 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Fields of config.json that say where or how a config was saved, not what the model computes.
-_NON_FACTOR_FIELDS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
+_NON_FACTOR_FIELDS = {"_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
                       "_attn_implementation_autoset", "_commit_hash", "output_attentions", "output_hidden_states"}
 
 
