@@ -17,6 +17,10 @@ class NotFound(KilnError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExists(KilnError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class FailedPrecondition(KilnError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 

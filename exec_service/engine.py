@@ -1,0 +1,173 @@
+"""The serving loop of one model, in its own thread: schedule → execute → sample → postprocess → stream.
+
+Requests and cancellations arrive from the event loop through an inbox and are applied between steps, so new
+requests join the running batch at the next step. Each step's tokens go back to the Generate handlers through
+their RequestStreams; a forward that fails fails that step's requests only, and the loop goes on.
+"""
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from exec_service.block_manager import BlockManager
+from exec_service.engine_config import EngineConfig
+from exec_service.model_runner import ModelRunner
+from exec_service.outputs import RequestOutput, RequestStream
+from exec_service.sampler import Sampler
+from exec_service.scheduler import ScheduledBatch, Scheduler
+from exec_service.sequence import Sequence
+from exec_service.step_record import StepRecord
+from kiln.errors import Internal, ResourceExhausted, Unavailable, first_line
+from tracing.forward_stats import ForwardStats
+
+log = logging.getLogger(__name__)
+
+StepObserver = Callable[[StepRecord], None]
+
+
+class Engine:
+    def __init__(self, name: str, runner: ModelRunner, config: EngineConfig, eos_token_ids: frozenset[int],
+                 forward_stats: ForwardStats, step_observers: list[StepObserver] | None = None):
+        self.name = name
+        self.runner = runner
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.forward_stats = forward_stats
+        self.step_observers: list[StepObserver] = step_observers if step_observers is not None else []
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.device)
+        self._streams: dict[str, RequestStream] = {}
+        self._inbox: list[tuple[Sequence, RequestStream] | str] = []  # new requests, or request ids to abort
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Finish the step in flight, then end every request with UNAVAILABLE."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join()
+        gone = Unavailable(f"model: {self.name!r} was unloaded")
+        for _, stream in [i for i in self._inbox if not isinstance(i, str)]:
+            stream.put(RequestOutput(error=gone))
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._end(seq, RequestOutput(error=gone))
+
+    # Called on the event loop.
+
+    def add_request(self, seq: Sequence) -> RequestStream:
+        """Queue a request for the next step; RESOURCE_EXHAUSTED when it can never fit or the queue is full."""
+        needed = self.block_manager.blocks_for(seq.max_kv_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ResourceExhausted(
+                f"prompt_ids + max_tokens: {seq.max_kv_tokens} tokens need {needed} KV blocks, the cache of "
+                f"{self.name!r} has {self.block_manager.num_blocks}")
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator(device=self.config.device).manual_seed(seq.params.seed)
+        stream = RequestStream(asyncio.get_running_loop())
+        with self._wakeup:
+            if self._stopping:
+                raise Unavailable(f"model: {self.name!r} is being unloaded")
+            if self.num_waiting >= self.config.max_num_waiting:
+                raise ResourceExhausted(f"model: {self.name!r} has {self.config.max_num_waiting} requests waiting "
+                                        f"(max_num_waiting); retry later")
+            self._inbox.append((seq, stream))
+            self._wakeup.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its blocks are freed before the next step. A no-op when it already finished."""
+        with self._wakeup:
+            self._inbox.append(request_id)
+            self._wakeup.notify()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + sum(not isinstance(i, str) for i in self._inbox)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    # The engine thread.
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._inbox and not self.scheduler.has_work and not self._stopping:
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for item in inbox:
+                if isinstance(item, str):
+                    self._abort(item)
+                else:
+                    seq, stream = item
+                    self._streams[seq.request_id] = stream
+                    self.scheduler.add(seq)
+            if self.scheduler.has_work:
+                self.step()
+
+    def _abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            log.info("%s: request %s cancelled", self.name, request_id)
+        self._streams.pop(request_id, None)
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch.entries:
+            return
+        sampling = batch.sampling_entries
+        try:
+            out = self.runner.execute(batch)
+            token_ids = self.sampler(out.logits, [e.seq for e in sampling])  # the step's one sync
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, not the engine
+            log.exception("%s: step of %d sequences failed", self.name, batch.num_seqs)
+            error = Internal(f"forward failed: {first_line(exc)}")
+            for entry in batch.entries:
+                self.scheduler.abort(entry.seq.request_id)
+                self._end(entry.seq, RequestOutput(error=error))
+            return
+        forward_ms = out.timer.elapsed_ms()
+        self.scheduler.postprocess(batch, token_ids)
+        for entry, token_id in zip(sampling, token_ids, strict=True):
+            seq = entry.seq
+            if seq.is_finished:
+                self._end(seq, RequestOutput([token_id], seq.finish_reason, seq.usage()))
+            elif seq.request_id in self._streams:
+                self._streams[seq.request_id].put(RequestOutput([token_id]))
+        self._observe(batch, out.runtime_mode, out.padded_size, out.timer.start_ns, forward_ms)
+
+    def _end(self, seq: Sequence, output: RequestOutput) -> None:
+        stream = self._streams.pop(seq.request_id, None)
+        if stream is not None:
+            stream.put(output)
+
+    def _observe(self, batch: ScheduledBatch, runtime_mode: str, padded_size: int, start_ns: int,
+                 forward_ms: float) -> None:
+        self.forward_stats.record(self.name, batch.num_seqs, forward_ms, runtime_mode)
+        if not self.step_observers:
+            return
+        record = StepRecord(
+            model=self.name, batch_size=batch.num_seqs, num_tokens=batch.num_tokens, padded_size=padded_size,
+            runtime_mode=runtime_mode, phase=batch.phase, start_ns=start_ns,
+            end_ns=start_ns + int(forward_ms * 1e6), request_ids=tuple(e.seq.request_id for e in batch.entries))
+        for observer in self.step_observers:
+            try:
+                observer(record)
+            except Exception:  # noqa: BLE001 - telemetry never stops serving
+                log.exception("%s: step observer %r failed", self.name, observer)
+

@@ -1,0 +1,148 @@
+"""The model on its device: weights, the eager memory profile, the KV cache, the compiled function, CUDA graphs,
+and one forward per engine step.
+
+Order matters and is the point of the design: the profile runs on the eager model *before* the compiled function
+is loaded (vLLM's "not compile for profiling"), and neither the profile, the load nor any step may run Dynamo or
+Inductor: ``expect_no_compile`` raises if the counters move.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from exec_service import kv_cache
+from exec_service.cuda_graphs import CUDAGraphs
+from exec_service.engine_config import EngineConfig
+from exec_service.forward_timer import ForwardTimer
+from exec_service.sampler import Sampler
+from exec_service.scheduler import ScheduledBatch
+from exec_service.sequence import SamplingParams, Sequence
+from exec_service.step_inputs import StepInputs, prepare
+from kiln import bundle
+from kiln.counters import expect_no_compile
+from kiln.errors import FailedPrecondition, first_line
+from kiln.forward_context import ForwardContext, forward_context
+from kiln.model import TokenModel, build_model, weights_bytes
+from kiln.model_spec import ResolvedModel
+
+log = logging.getLogger(__name__)
+
+# Device memory set aside for the CUDA-graph pool before capture, when the KV cache is sized.
+CUDAGRAPH_RESERVE_BYTES = 512 << 20
+# Sampling settings of the profile's sampler pass: the sort behind top-k/top-p is its memory peak.
+_PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [S, V] float32, one row per sequence that samples
+    runtime_mode: str
+    padded_size: int
+    timer: ForwardTimer
+
+
+class ModelRunner:
+    def __init__(self, model: ResolvedModel, config: EngineConfig):
+        self.resolved = model
+        self.config = config
+        self.device = config.device
+        self.model: TokenModel | None = None
+        self.weights_bytes = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.compiled = None
+        self.cudagraphs: CUDAGraphs | None = None
+
+    def load_weights(self, weights: str, seed: int) -> int:
+        self.model = build_model(self.resolved, self.device, weights, seed)
+        self.weights_bytes = weights_bytes(self.model)
+        return self.weights_bytes
+
+    @torch.no_grad()
+    def profile_memory(self) -> int:
+        """One forward at max_num_batched_tokens on the eager model plus a sampler pass at max_num_seqs rows.
+
+        Returns the activation peak in bytes (CUDA; 0 on CPU, where the KV cache comes from a byte budget). There is
+        no forward context, so attention is the plain causal reference over all tokens: no less memory than the
+        paged kernels need.
+        """
+        start = time.perf_counter()
+        tokens = self.config.max_num_batched_tokens
+        cuda = self.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
+        with expect_no_compile("the memory profile"):
+            hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device),
+                                torch.arange(tokens, device=self.device))
+            rows = min(self.config.max_num_seqs, tokens)
+            seqs = [Sequence(f"profile-{i}", [0], _PROFILE_SAMPLING, self.config.max_model_len) for i in range(rows)]
+            Sampler(self.device)(self.model.logits(hidden[:rows]), seqs)
+        peak = 0
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - baseline
+        del hidden
+        log.info("Memory profiling took %.2f seconds", time.perf_counter() - start)
+        return peak
+
+    def memory_budget(self, activation_peak_bytes: int) -> kv_cache.MemoryBudget:
+        if self.device == "cuda":
+            reserve = CUDAGRAPH_RESERVE_BYTES if self.config.runtime_mode == "cudagraph" else 0
+            return kv_cache.cuda_budget(self.config.gpu_memory_utilization, self.weights_bytes, activation_peak_bytes,
+                                        reserve, self.config.kv_cache_bytes, torch.device("cuda"))
+        return kv_cache.cpu_budget(self.weights_bytes, self.config.kv_cache_bytes)
+
+    def allocate_kv_cache(self, budget: kv_cache.MemoryBudget) -> kv_cache.KVCacheSpec:
+        spec = kv_cache.KVCacheSpec.from_config(self.resolved.config, self.config.block_size, self.resolved.dtype)
+        self.num_blocks = kv_cache.num_blocks(budget, spec, self.config.max_model_len)
+        self.kv_caches = kv_cache.allocate(spec, self.num_blocks, self.device)
+        log.info("# %s blocks: %d", "GPU" if self.device == "cuda" else "CPU", self.num_blocks)
+        return spec
+
+    @torch.no_grad()
+    def load_compiled(self, bundle_dir: Path) -> None:
+        """Load the bundle's function and run it once (on CPU the first call loads the kernels), compiling nothing."""
+        with expect_no_compile("loading the compiled function"):
+            try:
+                self.compiled = bundle.load_compiled(bundle_dir)
+            except (RuntimeError, AssertionError) as exc:
+                raise FailedPrecondition(f"bundle {bundle_dir.name[:12]}: torch refused to load it: "
+                                         f"{first_line(exc)}") from exc
+            warmup = min(2, self.config.max_num_batched_tokens)
+            self.compiled(self.model, torch.zeros(warmup, dtype=torch.int64, device=self.device),
+                          torch.arange(warmup, device=self.device))
+
+    def capture_cudagraphs(self) -> float:
+        self.cudagraphs = CUDAGraphs(self._compiled_forward, self.config.capture_sizes, self.config.max_blocks_per_seq,
+                                     self.config.max_model_len, self.resolved.config.hidden_size, self.resolved.dtype,
+                                     torch.device(self.device))
+        with torch.no_grad(), expect_no_compile("CUDA-graph capture"):
+            return self.cudagraphs.capture(self.kv_caches)
+
+    def _compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.compiled(self.model, input_ids, positions)
+
+    @torch.no_grad()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run the step's tokens through one forward; logits only for the sequences that sample."""
+        inputs = prepare(batch, self.config.block_size, self.device)
+        padded = self.cudagraphs.padded_size(batch.num_seqs, batch.is_decode_only) if self.cudagraphs else None
+        with ForwardTimer(self.device) as timer:
+            if padded is not None:
+                hidden = self.cudagraphs.replay(padded, inputs)
+            else:
+                hidden = self._forward(inputs)
+        mode = "cudagraph" if padded is not None else "eager" if self.compiled is None else "compiled"
+        logits = self.model.logits(hidden[inputs.sample_rows])
+        return StepOutput(logits, mode, padded or inputs.num_tokens, timer)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        with forward_context(ForwardContext(self.kv_caches, inputs.metadata)):
+            if self.compiled is None:
+                return self.model(inputs.input_ids, inputs.positions)
+            return self._compiled_forward(inputs.input_ids, inputs.positions)

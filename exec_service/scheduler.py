@@ -1,0 +1,150 @@
+"""Continuous batching: each step takes the running sequences first, then admits waiting ones, under two budgets.
+
+A step mixes decodes (one token) with prefill chunks (up to the token budget), so a long prompt never stalls the
+sequences already generating. When the KV cache runs out, the newest running sequence is preempted by recompute:
+its blocks are freed and it goes back to the front of the waiting queue.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from exec_service.block_manager import BlockManager
+from exec_service.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    start: int  # first token position run this step (the sequence's computed tokens before it)
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last token, so its logits give the next token."""
+        return self.end == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    entries: list[ScheduledSequence]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """One query token per sequence: the shape CUDA graphs are captured for."""
+        return all(e.num_new_tokens == 1 for e in self.entries)
+
+    @property
+    def phase(self) -> str:
+        decodes = sum(e.is_decode for e in self.entries)
+        return "decode" if decodes == len(self.entries) else "prefill" if decodes == 0 else "mixed"
+
+    @property
+    def sampling_entries(self) -> list[ScheduledSequence]:
+        return [e for e in self.entries if e.samples]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        """The next step's sequences and token counts; empty when nothing can run (e.g. right after preemption)."""
+        budget = self.max_num_batched_tokens
+        entries: list[ScheduledSequence] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            entries.append(self._run(seq, num_new))
+            budget -= num_new
+            index += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            entries.append(self._run(seq, num_new))
+            budget -= num_new
+        return ScheduledBatch(entries)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Advance every scheduled sequence, append the sampled tokens, retire and free the finished ones."""
+        for entry in batch.entries:
+            entry.seq.num_computed_tokens = entry.end
+        finished = []
+        for entry, token_id in zip(batch.sampling_entries, sampled, strict=True):
+            entry.seq.append_token(token_id)
+            if entry.seq.is_finished:
+                self._retire(entry.seq)
+                finished.append(entry.seq)
+        return finished
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever it is and free its blocks at once; None when it is not here (already done)."""
+        for seq in [*self.running, *self.waiting]:
+            if seq.request_id == request_id:
+                self._retire(seq)
+                return seq
+        return None
+
+    def _run(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        if seq.first_scheduled_s is None:
+            seq.first_scheduled_s = time.perf_counter()
+        return ScheduledSequence(seq, seq.num_computed_tokens, num_new)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        if not seq.is_finished:
+            seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,111 @@
+"""One request's state in the engine: its tokens, how many have KV in the cache, its blocks and its stop rules."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from protos import exec_pb2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Prompt plus output tokens; ``num_computed_tokens`` of them have their keys and values in the cache.
+
+    Preemption by recompute sets ``num_computed_tokens`` back to 0 and frees the blocks; the output tokens are kept,
+    so the next prefill covers prompt and output alike and sampling resumes where it stopped.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: int = exec_pb2.FINISH_REASON_UNSPECIFIED
+    num_preemptions: int = 0
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    generator: torch.Generator | None = None  # this request's own random stream, when it has a seed
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Tokens whose keys and values the cache must hold at the longest: the last sampled token never runs."""
+        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len) - 1
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter()
+        self.token_ids.append(token_id)
+        if token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
+            self.finish(exec_pb2.FINISH_REASON_STOP)
+        elif len(self.token_ids) - self.num_prompt_tokens >= self.params.max_tokens:
+            self.finish(exec_pb2.FINISH_REASON_LENGTH)
+        elif self.num_tokens >= self.max_model_len:
+            self.finish(exec_pb2.FINISH_REASON_LENGTH)
+
+    def finish(self, reason: int) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finished_s = time.perf_counter()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def usage(self) -> exec_pb2.Usage:
+        end = self.finished_s or time.perf_counter()
+        return exec_pb2.Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            output_tokens=len(self.output_token_ids),
+            time_to_first_token_s=(self.first_token_s or end) - self.arrival_s,
+            total_s=end - self.arrival_s,
+            queue_s=(self.first_scheduled_s or end) - self.arrival_s,
+            num_preemptions=self.num_preemptions,
+        )

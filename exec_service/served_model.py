@@ -1,0 +1,49 @@
+"""A model the execute service knows: loading, ready with its engine, or failed with the reason."""
+
+import uuid
+from dataclasses import dataclass
+
+from exec_service import requests
+from exec_service.engine import Engine
+from exec_service.sequence import Sequence
+from exec_service.startup import StartedModel
+from kiln.errors import Unavailable
+from protos import exec_pb2
+
+
+@dataclass(eq=False)
+class ServedModel:
+    name: str
+    state: int = exec_pb2.MODEL_STATE_LOADING
+    error: str = ""
+    started: StartedModel | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == exec_pb2.MODEL_STATE_READY
+
+    def engine(self) -> Engine:
+        """The serving engine; UNAVAILABLE while loading or after a failed load."""
+        if self.state == exec_pb2.MODEL_STATE_LOADING:
+            raise Unavailable(f"model: {self.name!r} is still loading; wait for LoadModel's ready event or the "
+                              f"health status SERVING")
+        if self.state == exec_pb2.MODEL_STATE_FAILED:
+            raise Unavailable(f"model: {self.name!r} failed to load: {self.error}")
+        return self.started.engine
+
+    def new_sequence(self, request: exec_pb2.GenerateRequest) -> Sequence:
+        """The request as engine state, or INVALID_ARGUMENT naming the field at fault."""
+        sizing = self.started.sizing
+        prompt = requests.prompt_token_ids(request, self.started.tokenizer, sizing.vocab_size, sizing.max_model_len)
+        params = requests.sampling_params(request, sizing.vocab_size)
+        return Sequence(uuid.uuid4().hex, prompt, params, sizing.max_model_len, self.started.engine.eos_token_ids)
+
+    def info(self) -> exec_pb2.ModelInfo:
+        info = exec_pb2.ModelInfo(name=self.name, state=self.state, error=self.error)
+        if self.is_ready:
+            engine = self.started.engine
+            info.sizing.CopyFrom(self.started.sizing)
+            info.num_waiting = engine.num_waiting
+            info.num_running = engine.num_running
+            info.num_free_blocks = engine.num_free_blocks
+        return info

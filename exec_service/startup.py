@@ -1,0 +1,162 @@
+"""Bringing one model up, phase by phase: fetch, load weights, profile memory, load compiled, capture CUDA graphs.
+
+Each phase is timed, logged and reported to the LoadModel stream as it ends. The order is the contract: the memory
+profile runs on the eager model before the compiled function is loaded.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from exec_service.engine import Engine, StepObserver
+from exec_service.engine_config import EngineConfig, model_name
+from exec_service.fetch import BundleFetcher, FetchedBundle
+from exec_service.model_runner import ModelRunner
+from kiln.compile_config import CompileConfig
+from kiln.errors import InvalidArgument
+from kiln.model_spec import ResolvedModel, resolve
+from protos import common_pb2, exec_pb2
+from tracing.forward_stats import ForwardStats
+
+log = logging.getLogger(__name__)
+
+EmitFn = Callable[[exec_pb2.StartupPhase], None]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class LoadTarget:
+    """A LoadModelRequest, validated: what to load and how to serve it."""
+
+    name: str
+    spec: common_pb2.ModelSpec
+    model: ResolvedModel
+    compile_config: CompileConfig
+    key: str | None
+    engine_config: EngineConfig
+    weights: str
+    weights_seed: int
+
+    @classmethod
+    def from_request(cls, request: exec_pb2.LoadModelRequest) -> "LoadTarget":
+        compile_config = CompileConfig.from_proto(request.config)
+        model = resolve(request.model, compile_config.device)
+        return cls(
+            name=model_name(request, model), spec=request.model, model=model, compile_config=compile_config,
+            key=request.key.digest or None,
+            engine_config=EngineConfig.from_request(request, model, compile_config.device),
+            weights=request.weights or "dummy", weights_seed=request.weights_seed)
+
+
+@dataclass
+class StartedModel:
+    engine: Engine
+    sizing: exec_pb2.ModelSizing
+    tokenizer: object | None
+
+
+class _Phases:
+    """Times each phase, logs it, and emits it (and progress inside it) to the LoadModel stream."""
+
+    def __init__(self, name: str, emit: EmitFn):
+        self.name = name
+        self.emit = emit
+        self.timings: list[common_pb2.PhaseTiming] = []
+
+    @contextmanager
+    def phase(self, phase: str) -> Iterator[exec_pb2.StartupPhase]:
+        event = exec_pb2.StartupPhase(phase=phase)
+        start = time.perf_counter()
+        yield event  # the phase fills in its detail
+        event.seconds = time.perf_counter() - start
+        log.info("%s: %s took %.2f s%s", self.name, phase, event.seconds, f" ({event.detail})" if event.detail else "")
+        self.timings.append(common_pb2.PhaseTiming(phase=phase, seconds=event.seconds))
+        self.emit(event)
+
+    def progress(self, phase: str, detail: str) -> None:
+        self.emit(exec_pb2.StartupPhase(phase=phase, detail=detail, progress=True))
+
+
+def start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: ForwardStats,
+                step_observers: list[StepObserver], emit: EmitFn) -> StartedModel:
+    """Run every startup phase and start the engine; raises a KilnError the client can act on."""
+    phases = _Phases(target.name, emit)
+    started = time.perf_counter()
+    config = target.engine_config
+    fetched: FetchedBundle | None = None
+    with phases.phase("fetch") as event:
+        if config.runtime_mode == "eager":
+            event.detail = "eager: nothing to fetch"
+        else:
+            fetched = fetcher.fetch(target.spec, target.model, target.compile_config, target.key,
+                                    lambda detail: phases.progress("fetch", detail))
+            event.detail = f"{fetched.source}, key {fetched.key}"
+    compiled_range = fetched.max_num_batched_tokens if fetched else target.compile_config.max_num_batched_tokens
+    config = config.within_token_range(compiled_range)
+    runner = ModelRunner(target.model, config)
+
+    with phases.phase("load_weights") as event:
+        runner.load_weights(target.weights, target.weights_seed)
+        tokenizer = _load_tokenizer(target)
+        event.detail = f"{runner.weights_bytes / 1e6:.1f} MB from {target.weights}"
+
+    with phases.phase("profile_memory") as event:
+        activation_peak = runner.profile_memory()
+        budget = runner.memory_budget(activation_peak)
+        kv_spec = runner.allocate_kv_cache(budget)
+        event.detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {runner.num_blocks}"
+
+    with phases.phase("load_compiled") as event:
+        if fetched is None:
+            event.detail = "eager: the uncompiled model serves"
+        else:
+            runner.load_compiled(fetched.path)
+            event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
+
+    cudagraph_bytes = budget.cudagraph_reserve_bytes
+    with phases.phase("capture_cudagraphs") as event:
+        if config.runtime_mode == "cudagraph":
+            seconds = runner.capture_cudagraphs()
+            cudagraph_bytes = runner.cudagraphs.captured_bytes
+            event.detail = (f"Graph capturing finished in {seconds:.0f} secs, took "
+                            f"{cudagraph_bytes / (1 << 30):.2f} GiB")
+        else:
+            event.detail = f"skipped: runtime mode {config.runtime_mode}"
+
+    engine = Engine(target.name, runner, config, _eos_token_ids(target.model), forward_stats, step_observers)
+    engine.start()
+    total = time.perf_counter() - started
+    emit(exec_pb2.StartupPhase(phase="ready", seconds=total, detail=f"{target.name} serves ({config.runtime_mode})"))
+    sizing = exec_pb2.ModelSizing(
+        key=common_pb2.ArtifactKey(digest=fetched.key if fetched else ""), num_kv_blocks=runner.num_blocks,
+        block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=runner.num_blocks * kv_spec.block_bytes,
+        weights_bytes=runner.weights_bytes, activation_peak_bytes=activation_peak, cudagraph_bytes=cudagraph_bytes,
+        total_memory_bytes=budget.total_bytes, capture_sizes=list(config.capture_sizes),
+        runtime_mode=config.runtime_mode, device=config.device, timings=phases.timings,
+        vocab_size=target.model.config.vocab_size)
+    return StartedModel(engine, sizing, tokenizer)
+
+
+def _load_tokenizer(target: LoadTarget):
+    """The tokenizer of the model directory (or the weights directory), or None: then prompts are token ids."""
+    candidates = [target.model.hf_dir, None if target.weights == "dummy" else Path(target.weights)]
+    for directory in filter(None, candidates):
+        if any((directory / name).is_file() for name in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            try:
+                return AutoTokenizer.from_pretrained(directory)
+            except (OSError, ValueError) as exc:
+                raise InvalidArgument(f"weights: cannot load the tokenizer in {directory}: {exc}") from None
+    return None
+
+
+def _eos_token_ids(model: ResolvedModel) -> frozenset[int]:
+    eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])
