@@ -1,0 +1,195 @@
+"""``kiln exec-server``, ``kiln load``, ``kiln generate``, ``kiln models``, ``kiln unload`` and ``kiln stats``."""
+
+import asyncio
+import sys
+
+import grpc
+
+from kiln.cli.compile_commands import add_compile_config_args, compile_config, model_spec
+from kiln.cli.output import Printer, report_rpc_error
+from kiln.grpc_server import CHANNEL_OPTIONS
+from protos import common_pb2, exec_pb2, exec_pb2_grpc
+
+RUNTIME_MODES = {"eager": exec_pb2.RUNTIME_MODE_EAGER, "compiled": exec_pb2.RUNTIME_MODE_COMPILED,
+                 "cudagraph": exec_pb2.RUNTIME_MODE_CUDAGRAPH}
+FINISH_REASONS = {exec_pb2.FINISH_REASON_STOP: "stop", exec_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("exec-server", help="run the execute service")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--compile-server", default="", help="compile service address; bundles are fetched from it")
+    p.add_argument("--store", default=None, help="an artifact store shared with the compile service, read in place")
+    p.add_argument("--cache", default=None, help="downloaded bundles (default: ~/.cache/kiln/exec-cache)")
+    p.set_defaults(handler=run_exec_server)
+
+    p = subparsers.add_parser("load", help="load a model on an execute service, printing each startup phase")
+    p.add_argument("address", help="execute service address, e.g. localhost:50052")
+    p.add_argument("model", help="a preset name or a local Hugging Face directory")
+    p.add_argument("--name", default="", help="name for Generate (default: the preset or directory name)")
+    p.add_argument("--weights", default="dummy", help="'dummy' or a local HF directory with safetensors")
+    p.add_argument("--weights-seed", type=int, default=0)
+    p.add_argument("--key", default="", help="load this bundle instead of compiling from the config")
+    p.add_argument("--max-model-len", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0)
+    p.add_argument("--kv-cache-bytes", type=int, default=0, help="KV budget on CPU, a cap on CUDA")
+    p.add_argument("--block-size", type=int, default=0)
+    p.add_argument("--capture-sizes", default="", help="comma-separated batch sizes with a CUDA graph")
+    p.add_argument("--max-num-waiting", type=int, default=0)
+    p.add_argument("--runtime-mode", choices=sorted(RUNTIME_MODES), default=None,
+                   help="default: cudagraph on CUDA, compiled on CPU")
+    add_compile_config_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(handler=run_load)
+
+    p = subparsers.add_parser("generate", help="stream tokens for one prompt")
+    p.add_argument("address")
+    p.add_argument("--model", required=True, help="a name from kiln load")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text (the model needs a tokenizer)")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-token-ids", default="", help="comma-separated token ids that end generation")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_generate)
+
+    p = subparsers.add_parser("models", help="list the models of an execute service")
+    p.add_argument("address")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_models)
+
+    p = subparsers.add_parser("unload", help="unload a model from an execute service")
+    p.add_argument("address")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_unload)
+
+    p = subparsers.add_parser("stats", help="forward time per batch size")
+    p.add_argument("address")
+    p.add_argument("--model", default="")
+    p.add_argument("--reset", action="store_true", help="clear the statistics after reading them")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_stats)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def run_exec_server(args) -> int:
+    from exec_service.server import DEFAULT_CACHE_DIR, start_exec_server
+
+    async def serve():
+        server, _ = await start_exec_server(f"{args.host}:{args.port}", args.compile_server or None, args.store,
+                                            args.cache or DEFAULT_CACHE_DIR)
+        await server.serve_until_signal()
+
+    asyncio.run(serve())
+    return 0
+
+
+def load_request(args) -> exec_pb2.LoadModelRequest:
+    request = exec_pb2.LoadModelRequest(
+        name=args.name, model=model_spec(args.model, args.dtype), config=compile_config(args),
+        weights=args.weights, weights_seed=args.weights_seed, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size, capture_sizes=_ints(args.capture_sizes), max_num_waiting=args.max_num_waiting,
+        runtime_mode=RUNTIME_MODES.get(args.runtime_mode, exec_pb2.RUNTIME_MODE_UNSPECIFIED))
+    if args.key:
+        request.key.CopyFrom(common_pb2.ArtifactKey(digest=args.key))
+    return request
+
+
+def _call(args, work) -> int:
+    """Run ``work(stub, printer)`` against the execute service at ``args.address``; a failed call exits 1."""
+    out = Printer(args.json)
+    with grpc.insecure_channel(args.address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            work(exec_pb2_grpc.ExecServiceStub(channel), out)
+        except grpc.RpcError as exc:
+            return report_rpc_error(exc)
+    return 0
+
+
+def run_load(args) -> int:
+    def work(stub, out: Printer):
+        for event in stub.LoadModel(load_request(args)):
+            if event.HasField("phase"):
+                p = event.phase
+                out.message(event, f"           {p.phase}: {p.detail}" if p.progress
+                            else f"{p.seconds:8.2f}s  {p.phase}  {p.detail}")
+            else:
+                s = event.ready
+                out.message(event, f"ready: {s.num_kv_blocks} KV blocks of {s.block_size} tokens "
+                                   f"({s.kv_cache_bytes / 2**20:.1f} MiB), max_num_seqs {s.max_num_seqs}, "
+                                   f"max_model_len {s.max_model_len}, {s.runtime_mode} on {s.device}")
+
+    return _call(args, work)
+
+
+def generate_request(args) -> exec_pb2.GenerateRequest:
+    request = exec_pb2.GenerateRequest(model=args.model, top_k=args.top_k, stop_token_ids=_ints(args.stop_token_ids),
+                                       ignore_eos=args.ignore_eos)
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    else:
+        request.prompt_ids.extend(_ints(args.prompt_ids))
+    for field in ("max_tokens", "temperature", "top_p", "seed"):
+        if getattr(args, field) is not None:
+            setattr(request, field, getattr(args, field))
+    return request
+
+
+def run_generate(args) -> int:
+    def work(stub, out: Printer):
+        for response in stub.Generate(generate_request(args)):
+            if out.as_json:
+                out.message(response, "")
+            elif response.token_ids:
+                sys.stdout.write(response.text or "".join(f" {t}" for t in response.token_ids))
+                sys.stdout.flush()
+            if response.finish_reason:
+                u = response.usage
+                out.line(f"\n[{FINISH_REASONS.get(response.finish_reason, '?')}] {u.prompt_tokens} prompt + "
+                         f"{u.output_tokens} output tokens, first token {u.time_to_first_token_s * 1000:.1f} ms, "
+                         f"total {u.total_s:.3f} s")
+
+    return _call(args, work)
+
+
+def run_models(args) -> int:
+    def work(stub, out: Printer):
+        for m in stub.ListModels(exec_pb2.ListModelsRequest()).models:
+            state = exec_pb2.ModelState.Name(m.state).removeprefix("MODEL_STATE_").lower()
+            detail = (f"{m.sizing.runtime_mode} on {m.sizing.device}, {m.num_free_blocks}/{m.sizing.num_kv_blocks} "
+                      f"blocks free, {m.num_running} running, {m.num_waiting} waiting") if m.HasField("sizing") \
+                else m.error
+            out.message(m, f"{m.name:<20} {state:<8} {detail}")
+
+    return _call(args, work)
+
+
+def run_unload(args) -> int:
+    def work(stub, out: Printer):
+        out.message(stub.UnloadModel(exec_pb2.UnloadModelRequest(name=args.name)), f"unloaded {args.name}")
+
+    return _call(args, work)
+
+
+def run_stats(args) -> int:
+    def work(stub, out: Printer):
+        response = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=args.model, reset=args.reset))
+        out.line(f"{'model':<20} {'batch':>5} {'count':>8} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8}  mode")
+        for s in response.stats:
+            out.message(s, f"{s.model:<20} {s.batch_size:>5} {s.count:>8} {s.median_ms:>10.3f} {s.p90_ms:>8.3f} "
+                           f"{s.p99_ms:>8.3f}  {s.runtime_mode}")
+
+    return _call(args, work)
