@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 from torch._dispatch.python import enable_python_dispatcher
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.passes.split_module import split_module
 
 from kiln.piecewise import CompiledPiece, PiecewiseFunction
+from tracing import spans
 
 ProgressFn = Callable[[str, int, int, str], None]  # (phase, piece, num_pieces, size)
 
@@ -25,6 +27,7 @@ class SplitStats:
     num_pieces: int = 0
     num_splits: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    graph_received_ns: int = 0  # wall clock when Dynamo handed over the graph: the end of its tracing
 
 
 def _split_op_targets(splitting_ops: tuple[str, ...]) -> set:
@@ -34,6 +37,11 @@ def _split_op_targets(splitting_ops: tuple[str, ...]) -> set:
         packet = getattr(getattr(torch.ops, namespace), op)
         targets |= {packet, packet.default}
     return targets
+
+
+def _cache_hits() -> int:
+    """AOTAutograd cache hits so far; standalone_compile of a piece Inductor has seen before is one more."""
+    return counters["aot_autograd"]["autograd_cache_hit"]
 
 
 def _token_symbol(example_inputs) -> sympy.Symbol:
@@ -88,11 +96,14 @@ class PiecewiseBackend:
         self.stats = SplitStats()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> PiecewiseFunction:
+        self.stats.graph_received_ns = time.time_ns()
         start = time.perf_counter()
-        split_gm, split_parts = self._split(gm)
+        with spans.phase_span(spans.SPLIT) as span:
+            split_gm, split_parts = self._split(gm)
+            names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]
+            span.set_attributes({spans.NUM_PIECES: len(names), spans.NUM_SPLITS: len(split_parts)})
         self.stats.timings["split"] = time.perf_counter() - start
         self.progress("split", 0, 0, "")
-        names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]
         pieces: dict[str, CompiledPiece] = {}
         start = time.perf_counter()
         tracing = torch._guards.TracingContext.get()
@@ -147,18 +158,21 @@ class PiecewiseBackend:
                 if target in names:
                     submodule = getattr(self.module, target)
                     backend.progress("inductor", names.index(target) + 1, len(names), label)
-                    if size is None:
-                        output_node = next(iter(reversed(submodule.graph.nodes)))
-                        piece = CompiledPiece(int(target.split("_")[-1]),
-                                              isinstance(output_node.args[0], (tuple, list)), _token_arg(args, symbol))
-                        piece.symbolic = torch._inductor.standalone_compile(
-                            submodule, list(args), dynamic_shapes="from_tracing_context", options=backend.options,
-                            aot=True)
-                        pieces[target] = piece
-                    else:
-                        pieces[target].by_size[size] = torch._inductor.standalone_compile(
-                            submodule, list(args), dynamic_shapes="from_example_inputs", options=backend.options,
-                            aot=True)
+                    with spans.phase_span(spans.INDUCTOR, piece=names.index(target) + 1, compile_size=label) as span:
+                        hits = _cache_hits()
+                        if size is None:
+                            output_node = next(iter(reversed(submodule.graph.nodes)))
+                            piece = CompiledPiece(int(target.split("_")[-1]), isinstance(
+                                output_node.args[0], (tuple, list)), _token_arg(args, symbol))
+                            piece.symbolic = torch._inductor.standalone_compile(
+                                submodule, list(args), dynamic_shapes="from_tracing_context", options=backend.options,
+                                aot=True)
+                            pieces[target] = piece
+                        else:
+                            pieces[target].by_size[size] = torch._inductor.standalone_compile(
+                                submodule, list(args), dynamic_shapes="from_example_inputs", options=backend.options,
+                                aot=True)
+                        span.set_attribute(spans.CACHE_HIT, _cache_hits() > hits)
                 return out
 
         if size is None:

@@ -20,6 +20,7 @@ from kiln.compile_config import CompileConfig
 from kiln.errors import Internal, first_line
 from kiln.model import build_model
 from kiln.model_spec import ResolvedModel
+from tracing import spans
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,15 @@ class CompileOutcome:
 
 def compile_model(model: ResolvedModel, config: CompileConfig, store: FilesystemStore,
                   progress: ProgressFn = lambda *a: None) -> CompileOutcome:
+    with spans.phase_span(spans.COMPILE, model=model.name) as span:
+        outcome = _compile_or_hit(model, config, store, progress)
+        span.set_attributes({spans.CACHE_KEY: outcome.key, spans.CACHE_HIT: outcome.cache_hit,
+                             spans.NUM_PIECES: outcome.num_pieces, spans.BYTES: outcome.bundle_bytes})
+        return outcome
+
+
+def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: FilesystemStore,
+                    progress: ProgressFn) -> CompileOutcome:
     start = time.perf_counter()
     factors = cache_key.key_factors(model, config)
     key = cache_key.digest(factors)
@@ -89,6 +99,7 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
         torch._dynamo.mark_dynamic(tensor, 0, min=1, max=config.max_num_batched_tokens)
     progress("trace", 0, 0, "")
     t = time.perf_counter()
+    trace_start_ns = time.time_ns()
     torch._dynamo.reset()
     with torch.no_grad(), torch._dynamo.config.patch(enable_aot_compile=True):
         compiled = torch.compile(
@@ -96,15 +107,20 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
             options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe},
         ).forward.aot_compile(((ids, positions), {}))
     elapsed = time.perf_counter() - t
+    # Dynamo's tracing ends where it hands the graph to the backend, whose split and Inductor are spans of their own.
+    spans.record_phase(spans.TRACE, trace_start_ns, backend.stats.graph_received_ns)
     timings.update(backend.stats.timings)
     timings["trace"] = elapsed - sum(backend.stats.timings.values())
     progress("save", 0, 0, "")
-    t = time.perf_counter()
-    compiled.save_compiled_function(str(staged / bundle.COMPILED_FN))
-    (staged / bundle.KEY_FACTORS).write_text(json.dumps(factors, indent=1, sort_keys=True, default=str))
-    timings["save"] = time.perf_counter() - t
-    return bundle.write_manifest(
-        staged, key=key, model=model.name, config_summary=f"{model.dtype_name} {config.summary()}",
-        num_pieces=backend.stats.num_pieces, num_splits=backend.stats.num_splits,
-        timings={k: round(v, 4) for k, v in timings.items()}, created_unix=time.time(),
-    )
+    with spans.phase_span(spans.SAVE) as span:
+        t = time.perf_counter()
+        compiled.save_compiled_function(str(staged / bundle.COMPILED_FN))
+        (staged / bundle.KEY_FACTORS).write_text(json.dumps(factors, indent=1, sort_keys=True, default=str))
+        timings["save"] = time.perf_counter() - t
+        manifest = bundle.write_manifest(
+            staged, key=key, model=model.name, config_summary=f"{model.dtype_name} {config.summary()}",
+            num_pieces=backend.stats.num_pieces, num_splits=backend.stats.num_splits,
+            timings={k: round(v, 4) for k, v in timings.items()}, created_unix=time.time(),
+        )
+        span.set_attribute(spans.BYTES, manifest.total_bytes)
+    return manifest

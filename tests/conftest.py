@@ -1,6 +1,7 @@
 """Shared fixtures: one real compile server on loopback for the session, and the tiny model compiled once."""
 
 import asyncio
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,3 +73,36 @@ def tiny_compiles(compile_stub):
 @pytest.fixture(scope="session")
 def tiny_key(tiny_compiles) -> str:
     return tiny_compiles[0].key.digest
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver():
+    """A real OTLP/gRPC receiver on loopback: what Jaeger would ingest, kept for the session."""
+    from otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+def otel_env(endpoint: str, **extra: str) -> dict:
+    """This process's environment with OpenTelemetry pointed at ``endpoint``, exporting without delay."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100", **extra}
+
+
+@pytest.fixture(scope="session")
+def traced_compile_server(otlp_receiver, tmp_path_factory):
+    """``kiln compile-server`` as a child process with tracing to the session's receiver, and its own store."""
+    from kiln.cli.service_process import ServiceProcess, free_port, kiln_command
+
+    store, port = tmp_path_factory.mktemp("traced-store"), free_port()
+    server = ServiceProcess(
+        "traced compile", kiln_command("compile-server", "--host", "127.0.0.1", "--port", str(port), "--store",
+                                       str(store)),
+        f"127.0.0.1:{port}", store.parent / "traced-compile.log",
+        env=otel_env(otlp_receiver.endpoint, OTEL_RESOURCE_ATTRIBUTES="deployment.environment=ci"))
+    server.start()
+    server.wait_healthy(timeout=120)
+    yield server
+    server.stop()

@@ -65,12 +65,19 @@ def compile_config(args) -> common_pb2.CompileConfig:
 
 def run_compile_server(args) -> int:
     from compile_service.server import start_compile_server
+    from tracing.grpc_instrumentation import server_interceptors
+    from tracing.setup import init_tracing
+
+    telemetry = init_tracing("kiln-compile")
 
     async def serve():
-        server, _ = await start_compile_server(args.store, f"{args.host}:{args.port}")
+        server, _ = await start_compile_server(args.store, f"{args.host}:{args.port}", server_interceptors())
         await server.serve_until_signal()
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        telemetry.shutdown()
     return 0
 
 

@@ -1,0 +1,376 @@
+"""Tracing: spans across a real compile server into a real OTLP receiver, setup from the environment, forward spans.
+
+Processes that install global providers (init_tracing) run as children, so this process's own provider state
+never depends on test order; forward spans are checked against the SDK's own in-memory exporter and reader.
+"""
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from conftest import TINY_CONFIG, TINY_MODEL, otel_env
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kiln.grpc_server import CHANNEL_OPTIONS
+from protos import compile_pb2, compile_pb2_grpc
+from tracing import spans
+from tracing.batch_size_log import BatchSizeLog, log_batchsize_interval
+from tracing.forward_spans import DURATION_BUCKETS_MS, FORWARD_DURATION, ForwardSpans, forward_span_ratio
+from tracing.forward_stats import ForwardStats, stats_line
+from tracing.grpc_instrumentation import instrumented_aio_channel, instrumented_channel
+
+COMPILE_RPC = "/kiln.v1.CompileService/Compile"
+
+
+def client_tracer(endpoint: str) -> tuple[TracerProvider, object]:
+    """The test's own client: a provider of its own (not the global one) exporting each span as it ends."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "kiln-test-client"}))
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
+    return provider, provider.get_tracer("tests")
+
+
+def run_python(code: str, env: dict, timeout: float = 120) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints one JSON object last."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
+
+
+# --- one trace across the client and a real compile server ---
+
+def test_compile_is_one_trace_from_client_to_inductor(traced_compile_server, otlp_receiver):
+    provider, tracer = client_tracer(otlp_receiver.endpoint)
+    request = compile_pb2.CompileRequest(model=TINY_MODEL, config=TINY_CONFIG)
+    with tracer.start_as_current_span("client compile") as root:
+        channel = instrumented_channel(traced_compile_server.address, CHANNEL_OPTIONS, tracer_provider=provider)
+        events = list(compile_pb2_grpc.CompileServiceStub(channel).Compile(request))
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        channel.close()
+    result = events[-1].result
+    assert not result.cache_hit
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    # Each process exports in the order spans end; the last to end in each: all there.
+    otlp_receiver.wait_for(lambda r: {("client compile", "INTERNAL"), (COMPILE_RPC, "SERVER")} <= {
+        (s.name, s.kind) for s in r.spans(trace_id)})
+    trace = otlp_receiver.spans(trace_id)
+    named = {s.name: s for s in trace}
+
+    client_rpc = next(s for s in trace if s.name == COMPILE_RPC and s.kind == "CLIENT")
+    server_rpc = next(s for s in trace if s.name == COMPILE_RPC and s.kind == "SERVER")
+    compile_span = named[spans.COMPILE]
+    assert client_rpc.parent_span_id == named["client compile"].span_id
+    assert server_rpc.parent_span_id == client_rpc.span_id
+    assert compile_span.parent_span_id == server_rpc.span_id  # the worker thread carried the handler's context
+    assert server_rpc.resource["service.name"] == "kiln-compile"
+    assert server_rpc.resource["kiln.device"] == "cpu"
+    assert server_rpc.resource["deployment.environment"] == "ci"  # OTEL_RESOURCE_ATTRIBUTES
+    assert named["client compile"].resource["service.name"] == "kiln-test-client"
+    assert not [s for s in otlp_receiver.spans() if "Health" in s.name]
+
+    assert compile_span.attributes == {
+        spans.MODEL: "tiny-llama", spans.CACHE_KEY: result.key.digest, spans.CACHE_HIT: False,
+        spans.NUM_PIECES: result.num_pieces, spans.BYTES: result.bundle_bytes}
+    phases = [s for s in trace if s.parent_span_id == compile_span.span_id]
+    assert {s.name for s in phases} == {spans.TRACE, spans.SPLIT, spans.INDUCTOR, spans.SAVE}
+    assert named[spans.SPLIT].attributes == {spans.NUM_PIECES: result.num_pieces, spans.NUM_SPLITS: result.num_splits}
+    assert named[spans.SAVE].attributes == {spans.BYTES: result.bundle_bytes}
+    assert named[spans.TRACE].end_ns <= named[spans.SPLIT].start_ns  # Dynamo, then the backend's own phases
+
+    inductor = [s for s in phases if s.name == spans.INDUCTOR]
+    sizes = ["symbolic", *map(str, TINY_CONFIG.compile_sizes)]
+    assert sorted((s.attributes[spans.PIECE], s.attributes[spans.COMPILE_SIZE]) for s in inductor) == sorted(
+        (piece, size) for piece in range(1, result.num_pieces + 1) for size in sizes)
+    assert all(isinstance(s.attributes[spans.CACHE_HIT], bool) for s in inductor)
+    for s in phases:
+        assert compile_span.start_ns <= s.start_ns <= s.end_ns <= compile_span.end_ns
+
+
+def test_aio_channel_continues_the_callers_trace(traced_compile_server, otlp_receiver):
+    provider, tracer = client_tracer(otlp_receiver.endpoint)
+
+    async def list_artifacts():
+        async with instrumented_aio_channel(traced_compile_server.address, tracer_provider=provider) as channel:
+            return await compile_pb2_grpc.CompileServiceStub(channel).ListArtifacts(compile_pb2.ListArtifactsRequest())
+
+    with tracer.start_as_current_span("client list") as root:
+        asyncio.run(list_artifacts())
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    rpc = "/kiln.v1.CompileService/ListArtifacts"
+    trace = otlp_receiver.wait_for(lambda r: len([s for s in r.spans(trace_id) if s.name == rpc]) == 2
+                                   and r.spans(trace_id))
+    client = next(s for s in trace if s.name == rpc and s.kind == "CLIENT")
+    server = next(s for s in trace if s.name == rpc and s.kind == "SERVER")
+    assert client.parent_span_id == root.get_span_context().span_id.to_bytes(8, "big").hex()
+    assert server.parent_span_id == client.span_id
+
+
+# --- setup from the environment ---
+
+def test_no_endpoint_installs_nothing_and_costs_nothing():
+    env = {k: v for k, v in otel_env("").items() if k != "OTEL_EXPORTER_OTLP_ENDPOINT"}
+    out = run_python("""
+        import grpc, json
+        from opentelemetry import metrics, trace
+        from tracing import spans
+        from tracing.grpc_instrumentation import instrumented_channel, server_interceptors
+        from tracing.setup import init_tracing
+
+        telemetry = init_tracing("kiln-compile")
+        with spans.phase_span(spans.SAVE, bytes=1) as span:
+            recording = span.is_recording()
+        telemetry.shutdown()
+        print(json.dumps({
+            "enabled": telemetry.enabled, "recording": recording,
+            "proxy_tracer": isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider),
+            "proxy_meter": type(metrics.get_meter_provider()).__name__,
+            "interceptors": len(server_interceptors()),
+            "plain_channel": type(instrumented_channel("127.0.0.1:1")).__module__ == "grpc._channel"}))
+    """, env)
+    assert out == {**out, "enabled": False, "recording": False, "proxy_tracer": True,
+                   "proxy_meter": "_ProxyMeterProvider", "interceptors": 0, "plain_channel": True}
+    assert "Traceback" not in out["stderr"] and "ERROR" not in out["stderr"]
+
+
+def test_dead_collector_never_slows_span_creation():
+    with __import__("socket").socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    out = run_python("""
+        import json, time
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from tracing.setup import init_tracing
+
+        def loop(tracer) -> float:
+            start = time.perf_counter()
+            for i in range(20000):
+                with tracer.start_as_current_span("forward", attributes={"kiln.batch_size": i % 32}):
+                    pass
+            return time.perf_counter() - start
+
+        baseline_s = loop(TracerProvider().get_tracer("bench"))  # the SDK with nowhere to send spans
+        telemetry = init_tracing("kiln-exec")
+        loop_s = loop(trace.get_tracer("bench"))
+        start = time.perf_counter()
+        telemetry.shutdown()
+        print(json.dumps({"baseline_s": baseline_s, "loop_s": loop_s, "shutdown_s": time.perf_counter() - start}))
+    """, otel_env(f"http://127.0.0.1:{dead}", OTEL_BSP_SCHEDULE_DELAY="10"))
+    # Generous: the export retries run on the SDK's thread, so the loop costs about what it costs with no exporter.
+    assert out["loop_s"] < 2 * out["baseline_s"] + 2, out
+    assert out["shutdown_s"] < 10, out  # Telemetry's bound (5 s), not the SDK's 30 s
+
+
+def test_init_tracing_exports_forward_spans_and_the_histogram(otlp_receiver):
+    """The exec service's setup end to end: OTEL_SERVICE_NAME wins, spans and the metric reach the receiver."""
+    out = run_python("""
+        import json
+        from dataclasses import dataclass
+        from tracing.forward_spans import ForwardSpans
+        from tracing.setup import init_tracing
+
+        @dataclass
+        class Step:
+            model: str = "metric-model"
+            batch_size: int = 3
+            num_tokens: int = 3
+            padded_size: int = 4
+            runtime_mode: str = "compiled"
+            phase: str = "decode"
+            start_ns: int = 1_000_000_000
+            end_ns: int = 1_007_000_000
+            request_ids: tuple = ()
+
+        telemetry = init_tracing("kiln-exec", {"kiln.model": "metric-model"})
+        observer = ForwardSpans()
+        for _ in range(5):
+            observer(Step())
+        telemetry.shutdown()
+        print(json.dumps({"enabled": telemetry.enabled}))
+    """, otel_env(otlp_receiver.endpoint, OTEL_SERVICE_NAME="exec-renamed"))
+    assert out["enabled"]
+    forward = [s for s in otlp_receiver.spans() if s.attributes.get(spans.MODEL) == "metric-model"]
+    assert len(forward) == 5 and forward[0].resource["service.name"] == "exec-renamed"
+    assert forward[0].resource["kiln.model"] == "metric-model"
+    points = [p for resource, p in otlp_receiver.histogram_points(FORWARD_DURATION)
+              if resource["service.name"] == "exec-renamed"]
+    assert points[-1]["attributes"] == {spans.BATCH_SIZE: 3, spans.RUNTIME_MODE: "compiled"}
+    assert points[-1]["count"] == 5 and points[-1]["sum"] == pytest.approx(35.0)
+    assert points[-1]["bounds"] == list(DURATION_BUCKETS_MS)
+
+
+# --- forward spans from engine step records ---
+
+@dataclass
+class Step:
+    """What the engine hands its observers after each step (a plain record, as the engine's StepRecord)."""
+
+    start_ns: int
+    end_ns: int
+    request_ids: list[str] = field(default_factory=list)
+    model: str = "tiny-llama"
+    batch_size: int = 2
+    num_tokens: int = 9
+    padded_size: int = 16
+    runtime_mode: str = "cudagraph"
+    phase: str = "mixed"
+
+
+@pytest.fixture
+def sdk():
+    """A tracer and meter of their own, read back in memory: the real SDK, no global state."""
+    spans_out, reader = InMemorySpanExporter(), InMemoryMetricReader()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans_out))
+    meters = MeterProvider(metric_readers=[reader])
+    yield provider.get_tracer("tests"), meters.get_meter("tests"), spans_out, reader
+    provider.shutdown()
+    meters.shutdown()
+
+
+def steps(n: int, request_ids: list[str]) -> list[Step]:
+    base = time.time_ns()
+    return [Step(start_ns=base + i * 10_000_000, end_ns=base + i * 10_000_000 + (i + 1) * 1_000_000,
+                 request_ids=request_ids) for i in range(n)]
+
+
+def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
+    tracer, meter, out, _ = sdk
+    requests = {rid: tracer.start_span(f"generate {rid}") for rid in ("a", "b")}
+    contexts = {rid: span.get_span_context() for rid, span in requests.items()}
+    observer = ForwardSpans(contexts, ratio=1.0, tracer=tracer, meter=meter)
+    records = steps(3, ["b", "a", "gone"])
+    for record in records:
+        observer(record)
+
+    forward = [s for s in out.get_finished_spans() if s.name == spans.FORWARD]
+    assert len(forward) == 3
+    for span, record in zip(forward, records, strict=True):
+        assert (span.start_time, span.end_time) == (record.start_ns, record.end_ns)
+        assert dict(span.attributes) == {
+            spans.MODEL: "tiny-llama", spans.BATCH_SIZE: 2, spans.NUM_TOKENS: 9, spans.PADDED_SIZE: 16,
+            spans.RUNTIME_MODE: "cudagraph", spans.PHASE: "mixed"}
+        assert [link.context for link in span.links] == [contexts["b"], contexts["a"]]  # "gone" has no span
+        assert span.parent.span_id == contexts["b"].span_id  # the oldest request it served
+        assert span.context.trace_id == contexts["b"].trace_id
+
+
+def test_forward_span_of_no_known_request_is_a_root(sdk):
+    tracer, meter, out, _ = sdk
+    ForwardSpans({}, ratio=1.0, tracer=tracer, meter=meter)(steps(1, ["unknown"])[0])
+    (span,) = out.get_finished_spans()
+    assert span.parent is None and not span.links
+
+
+def test_ratio_thins_spans_but_not_the_histogram(sdk):
+    tracer, meter, out, reader = sdk
+    none, quarter = (ForwardSpans(ratio=r, tracer=tracer, meter=meter) for r in (0.0, 0.25))
+    for record in steps(8, []):
+        none(record)
+    assert out.get_finished_spans() == ()
+    for record in steps(8, []):
+        quarter(record)
+    assert len(out.get_finished_spans()) == 2  # every 4th step
+
+    (metric,) = [m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                 for m in sm.metrics if m.name == FORWARD_DURATION]
+    (point,) = metric.data.data_points
+    assert metric.unit == "ms" and point.count == 16
+    assert dict(point.attributes) == {spans.BATCH_SIZE: 2, spans.RUNTIME_MODE: "cudagraph"}
+    assert point.sum == pytest.approx(2 * sum(range(1, 9)))  # step i lasts i + 1 ms
+
+
+def test_ratio_and_interval_from_the_environment(monkeypatch):
+    monkeypatch.delenv("KILN_FORWARD_SPAN_RATIO", raising=False)
+    monkeypatch.delenv("KILN_LOG_BATCHSIZE_INTERVAL", raising=False)
+    assert forward_span_ratio() == 1.0 and log_batchsize_interval() is None
+    monkeypatch.setenv("KILN_FORWARD_SPAN_RATIO", "0.1")
+    monkeypatch.setenv("KILN_LOG_BATCHSIZE_INTERVAL", "2.5")
+    assert forward_span_ratio() == 0.1 and log_batchsize_interval() == 2.5
+    monkeypatch.setenv("KILN_LOG_BATCHSIZE_INTERVAL", "-1")
+    assert log_batchsize_interval() is None
+    for bad in ("1.5", "lots"):
+        monkeypatch.setenv("KILN_FORWARD_SPAN_RATIO", bad)
+        with pytest.raises(ValueError, match="KILN_FORWARD_SPAN_RATIO"):
+            forward_span_ratio()
+    monkeypatch.setenv("KILN_LOG_BATCHSIZE_INTERVAL", "soon")
+    with pytest.raises(ValueError, match="KILN_LOG_BATCHSIZE_INTERVAL"):
+        log_batchsize_interval()
+
+
+# --- the periodic forward-time table ---
+
+def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
+    tracer, _, out, _ = sdk
+    stats = ForwardStats()
+    for ms in (6.0, 7.0, 6.5):
+        stats.record("tiny-llama", 1, ms, "cudagraph")
+    stats.record("tiny-llama", 32, 7.51, "cudagraph")
+    stats.record("other", 4, 3.0, "eager")
+    report = BatchSizeLog(stats, interval_s=0.2, tracer=tracer)
+    step = steps(1, [])[0]
+
+    with caplog.at_level(logging.INFO, logger="tracing.batch_size_log"):
+        report(step)  # the interval has not passed yet
+        assert not caplog.records and not out.get_finished_spans()
+        time.sleep(0.25)
+        report(step)
+    snapshot = stats.snapshot()
+    by_model = {m: [s for s in snapshot if s.model == m] for m in ("other", "tiny-llama")}
+    assert [r.getMessage() for r in caplog.records] == [f"{m}: {stats_line(rows)}" for m, rows in by_model.items()]
+    assert caplog.records[1].getMessage().endswith(
+        "Batchsize forward time stats (batchsize, count, median_time(ms)): [(1, 3, 6.50), (32, 1, 7.51)]")
+
+    emitted = {s.attributes[spans.MODEL]: s for s in out.get_finished_spans()}
+    assert set(emitted) == {"other", "tiny-llama"}
+    for model, rows in by_model.items():
+        span = emitted[model]
+        assert span.name == spans.FORWARD_STATS and span.parent is None
+        assert list(span.attributes[spans.STATS_BATCH_SIZES]) == [s.batch_size for s in rows]
+        assert list(span.attributes[spans.STATS_COUNTS]) == [s.count for s in rows]
+        assert list(span.attributes[spans.STATS_MEDIAN_MS]) == [s.median_ms for s in rows]
+        assert list(span.attributes[spans.STATS_P90_MS]) == [s.p90_ms for s in rows]
+        assert list(span.attributes[spans.STATS_P99_MS]) == [s.p99_ms for s in rows]
+        assert list(span.attributes[spans.STATS_RUNTIME_MODES]) == [s.runtime_mode for s in rows]
+        assert span.end_time - span.start_time >= 0.2e9  # it covers the interval it reports on
+
+
+def test_batch_size_log_off_reports_nothing(sdk, caplog, monkeypatch):
+    tracer, _, out, _ = sdk
+    monkeypatch.delenv("KILN_LOG_BATCHSIZE_INTERVAL", raising=False)
+    stats = ForwardStats()
+    stats.record("tiny-llama", 1, 1.0, "eager")
+    with caplog.at_level(logging.INFO, logger="tracing.batch_size_log"):
+        BatchSizeLog(stats, tracer=tracer)(steps(1, [])[0])
+    assert not caplog.records and not out.get_finished_spans()
+
+
+# --- phase spans ---
+
+def test_phase_span_logs_its_time_and_nests(sdk, caplog, monkeypatch):
+    tracer, _, out, _ = sdk
+    monkeypatch.setattr(spans, "tracer", tracer)
+    with caplog.at_level(logging.INFO, logger="tracing.spans"):
+        with spans.phase_span(spans.FETCH, model="tiny-llama") as fetch:
+            with spans.phase_span(spans.LOAD_WEIGHTS) as load:
+                load.set_attribute(spans.BYTES, 123)
+    finished = {s.name: s for s in out.get_finished_spans()}
+    assert finished[spans.LOAD_WEIGHTS].parent.span_id == fetch.get_span_context().span_id
+    assert dict(finished[spans.FETCH].attributes) == {spans.MODEL: "tiny-llama"}
+    assert dict(finished[spans.LOAD_WEIGHTS].attributes) == {spans.BYTES: 123}
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0].startswith("load_weights took ") and messages[0].endswith(" s")
+    assert messages[1].startswith("fetch took ") and messages[1].endswith(" s (model=tiny-llama)")

@@ -1,0 +1,47 @@
+"""gRPC server and client spans with W3C trace-context propagation, so client -> exec -> compile is one trace.
+
+Uses opentelemetry-instrumentation-grpc. With no tracer provider installed (tracing off) servers get no
+interceptor and channels stay plain: nothing is paid per call.
+"""
+
+from collections.abc import Sequence
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import (
+    aio_client_interceptors,
+    aio_server_interceptor,
+    client_interceptor,
+    filters,
+)
+from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+from opentelemetry.trace import TracerProvider
+
+# Health checks and reflection would be a span each, and tell nothing about a compile or a request.
+_TRACED_CALLS = filters.negate(filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection")))
+
+
+def _tracing_on(tracer_provider: TracerProvider | None) -> bool:
+    return tracer_provider is not None or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """For a grpc.aio server: a server span per call, continuing the caller's trace. Call after init_tracing."""
+    return [aio_server_interceptor(filter_=_TRACED_CALLS)] if _tracing_on(None) else []
+
+
+def instrumented_channel(address: str, options: Sequence = (),
+                         tracer_provider: TracerProvider | None = None) -> grpc.Channel:
+    """A blocking insecure channel whose calls are client spans carrying the current trace to the server."""
+    channel = grpc.insecure_channel(address, options=list(options))
+    if not _tracing_on(tracer_provider):
+        return channel
+    return intercept_channel(channel, client_interceptor(tracer_provider, filter_=_TRACED_CALLS))
+
+
+def instrumented_aio_channel(address: str, options: Sequence = (),
+                             tracer_provider: TracerProvider | None = None) -> grpc.aio.Channel:
+    """The grpc.aio counterpart of instrumented_channel, for calls made from a server's event loop."""
+    interceptors = aio_client_interceptors(tracer_provider, filter_=_TRACED_CALLS) if _tracing_on(
+        tracer_provider) else None
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)

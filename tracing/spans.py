@@ -1,0 +1,80 @@
+"""Span names and attribute keys, in one place so both services and Jaeger queries agree; and ``phase_span``."""
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from opentelemetry import trace
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kiln")
+
+# Compile phases.
+COMPILE = "compile"
+TRACE = "trace"
+SPLIT = "split"
+INDUCTOR = "inductor"
+SAVE = "save"
+# Execute startup phases.
+FETCH = "fetch"
+LOAD_WEIGHTS = "load_weights"
+PROFILE_MEMORY = "profile_memory"
+LOAD_COMPILED = "load_compiled"
+CAPTURE_CUDAGRAPHS = "capture_cudagraphs"
+# Serving.
+FORWARD = "forward"
+FORWARD_STATS = "forward_stats"
+
+# Kiln's own attributes. phase_span(..., piece=3) sets PIECE: keyword names are these keys without "kiln.".
+MODEL = "kiln.model"
+CACHE_KEY = "kiln.cache_key"
+CACHE_HIT = "kiln.cache_hit"
+NUM_PIECES = "kiln.num_pieces"
+NUM_SPLITS = "kiln.num_splits"
+PIECE = "kiln.piece"
+COMPILE_SIZE = "kiln.compile_size"  # a token count, or "symbolic"
+BYTES = "kiln.bytes"
+BATCH_SIZE = "kiln.batch_size"  # sequences in the step
+NUM_TOKENS = "kiln.num_tokens"
+PADDED_SIZE = "kiln.padded_size"  # tokens the compiled code or CUDA graph ran, padding included
+RUNTIME_MODE = "kiln.runtime_mode"  # eager / compiled / cudagraph
+PHASE = "kiln.phase"  # prefill / decode / mixed
+STATS_BATCH_SIZES = "kiln.stats.batch_sizes"
+STATS_COUNTS = "kiln.stats.counts"
+STATS_MEDIAN_MS = "kiln.stats.median_ms"
+STATS_P90_MS = "kiln.stats.p90_ms"
+STATS_P99_MS = "kiln.stats.p99_ms"
+STATS_RUNTIME_MODES = "kiln.stats.runtime_modes"
+
+# OpenTelemetry GenAI semantic conventions, for request spans.
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+
+
+def kiln_attributes(**attributes) -> dict:
+    return {f"kiln.{name}": value for name, value in attributes.items()}
+
+
+@contextmanager
+def phase_span(name: str, **attributes) -> Iterator[trace.Span]:
+    """A span for one phase, child of the current one, and the log line "<phase> took X s" that says the same.
+
+    Yields the span so that what is only known at the end (bytes written, cache hit) can be added.
+    """
+    start = time.perf_counter()
+    with tracer.start_as_current_span(name, attributes=kiln_attributes(**attributes)) as span:
+        yield span
+    detail = " ".join(f"{k}={v}" for k, v in attributes.items())
+    log.info("%s took %.2f s%s", name, time.perf_counter() - start, f" ({detail})" if detail else "")
+
+
+def record_phase(name: str, start_ns: int, end_ns: int, **attributes) -> None:
+    """A phase measured by someone else's clock (wall-clock ns), as a child of the current span."""
+    tracer.start_span(name, attributes=kiln_attributes(**attributes), start_time=start_ns).end(end_time=end_ns)
+    log.info("%s took %.2f s", name, (end_ns - start_ns) / 1e9)
