@@ -43,8 +43,12 @@ class FilesystemStore:
 
     def __init__(self, root: Path | str):
         self.root = Path(root).expanduser()
-        (self.root / ".staging").mkdir(parents=True, exist_ok=True)
-        (self.root / ".locks").mkdir(exist_ok=True)
+        # A store mounted read-only (the exec service's view of a shared volume) is read, never written: bundles
+        # appear there by atomic rename, so a reader needs no lock, and it leaves last-used times to the writer.
+        self.read_only = self.root.is_dir() and not os.access(self.root, os.W_OK)
+        if not self.read_only:
+            (self.root / ".staging").mkdir(parents=True, exist_ok=True)
+            (self.root / ".locks").mkdir(exist_ok=True)
         self._thread_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self._verified: dict[str, tuple[float, int]] = {}  # key -> (manifest mtime, size) last verified here
@@ -59,6 +63,10 @@ class FilesystemStore:
         """Exclusive per key, across threads of this process and across processes sharing the store."""
         with self._guard:
             thread_lock = self._thread_locks.setdefault(key, threading.Lock())
+        if self.read_only:
+            with thread_lock:
+                yield
+            return
         with thread_lock, open(self.root / ".locks" / f"{key}.lock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
@@ -76,6 +84,8 @@ class FilesystemStore:
             try:
                 bundle.verify(path)
             except CorruptBundle:
+                if self.read_only:
+                    return None
                 self._remove(path)
                 self._verified.pop(key, None)
                 return None
@@ -84,7 +94,8 @@ class FilesystemStore:
         return path
 
     def touch(self, key: str) -> None:
-        (self.path(key) / _LAST_USED).touch()
+        if not self.read_only:
+            (self.path(key) / _LAST_USED).touch()
 
     def staging_dir(self) -> Path:
         return Path(tempfile.mkdtemp(dir=self.root / ".staging"))
