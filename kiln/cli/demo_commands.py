@@ -58,7 +58,7 @@ def run_demo(args) -> int:
             f"127.0.0.1:{compile_port}", workdir / "compile.log", child_environment())
         exec_service = ServiceProcess(
             "exec", kiln_command("exec-server", "--host", "127.0.0.1", "--port", str(exec_port),
-                                 "--compile-server", compile_service.address),
+                                 "--compile-server", compile_service.address, "--cache", str(workdir / "exec-cache")),
             f"127.0.0.1:{exec_port}", workdir / "exec.log", child_environment())
         for service in (compile_service, exec_service):
             service.start()
