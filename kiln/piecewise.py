@@ -5,6 +5,7 @@ the execute service, so it lives here, importable by both. Each piece holds the 
 token count and, optionally, artifacts for static token counts (``compile_sizes``), chosen per call.
 """
 
+import hashlib
 import pickle
 
 import torch
@@ -54,20 +55,28 @@ class PiecewiseFunction(SerializableCallable):
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "PiecewiseFunction") -> bytes:
-        artifacts = {
-            name: {"symbolic": p.symbolic.serialize(), "by_size": {n: a.serialize() for n, a in p.by_size.items()}}
-            for name, p in fn.pieces.items()
-        }
-        return pickle.dumps({"split_module": fn.split_module, "artifacts": artifacts})
+        """Identical pieces (the middle layers) compile to identical artifacts: store and load each blob once."""
+        blobs: dict[str, bytes] = {}
+
+        def ref(artifact: AOTCompiledArtifact) -> str:
+            blob = artifact.serialize()
+            digest = hashlib.sha256(blob).hexdigest()
+            blobs.setdefault(digest, blob)
+            return digest
+
+        pieces = {name: {"symbolic": ref(p.symbolic), "by_size": {n: ref(a) for n, a in p.by_size.items()}}
+                  for name, p in fn.pieces.items()}
+        return pickle.dumps({"split_module": fn.split_module, "pieces": pieces, "blobs": blobs})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "PiecewiseFunction":
         state = pickle.loads(data)
+        artifacts = {digest: AOTCompiledArtifact.deserialize(blob) for digest, blob in state["blobs"].items()}
         split_module = state["split_module"]
         pieces = {}
-        for name, blobs in state["artifacts"].items():
+        for name, refs in state["pieces"].items():
             piece = getattr(split_module, name)
-            piece.symbolic = AOTCompiledArtifact.deserialize(blobs["symbolic"])
-            piece.by_size = {n: AOTCompiledArtifact.deserialize(b) for n, b in blobs["by_size"].items()}
+            piece.symbolic = artifacts[refs["symbolic"]]
+            piece.by_size = {n: artifacts[digest] for n, digest in refs["by_size"].items()}
             pieces[name] = piece
         return cls(split_module, pieces)
