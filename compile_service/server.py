@@ -38,6 +38,7 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
                                                 elapsed_s=loop.time() - started)
             loop.call_soon_threadsafe(events.put_nowait, event)
 
+        # to_thread runs the compile in a copy of this context, so its spans are children of this call's server span.
         job = asyncio.ensure_future(asyncio.to_thread(compile_model, model, config, self.store, progress))
         while not job.done() or not events.empty():
             getter = asyncio.ensure_future(events.get())

@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from exec_service.step_record import StepRecord
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import compile_pb2, compile_pb2_grpc
 from tracing import spans
@@ -120,10 +121,17 @@ def test_aio_channel_continues_the_callers_trace(traced_compile_server, otlp_rec
 
 # --- setup from the environment ---
 
-def test_no_endpoint_installs_nothing_and_costs_nothing():
-    env = {k: v for k, v in otel_env("").items() if k != "OTEL_EXPORTER_OTLP_ENDPOINT"}
+@pytest.mark.parametrize("off", [
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": None},
+    {"OTEL_SDK_DISABLED": "true"},
+    {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"},
+], ids=["no-endpoint", "sdk-disabled", "exporters-none"])
+def test_tracing_off_installs_nothing_and_costs_nothing(off, otlp_receiver, request):
+    service = f"kiln-off-{request.node.callspec.id}"
+    env = {k: v for k, v in {**otel_env(otlp_receiver.endpoint, OTEL_SERVICE_NAME=service), **off}.items()
+           if v is not None}
     out = run_python("""
-        import grpc, json
+        import json, sys
         from opentelemetry import metrics, trace
         from tracing import spans
         from tracing.grpc_instrumentation import instrumented_channel, server_interceptors
@@ -138,11 +146,13 @@ def test_no_endpoint_installs_nothing_and_costs_nothing():
             "proxy_tracer": isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider),
             "proxy_meter": type(metrics.get_meter_provider()).__name__,
             "interceptors": len(server_interceptors()),
-            "plain_channel": type(instrumented_channel("127.0.0.1:1")).__module__ == "grpc._channel"}))
+            "plain_channel": type(instrumented_channel("127.0.0.1:1")).__module__ == "grpc._channel",
+            "torch": "torch" in sys.modules}))
     """, env)
     assert out == {**out, "enabled": False, "recording": False, "proxy_tracer": True,
-                   "proxy_meter": "_ProxyMeterProvider", "interceptors": 0, "plain_channel": True}
+                   "proxy_meter": "_ProxyMeterProvider", "interceptors": 0, "plain_channel": True, "torch": False}
     assert "Traceback" not in out["stderr"] and "ERROR" not in out["stderr"]
+    assert not [s for s in otlp_receiver.spans() if s.resource.get("service.name") == service]
 
 
 def test_dead_collector_never_slows_span_creation():
@@ -273,6 +283,17 @@ def test_forward_span_of_no_known_request_is_a_root(sdk):
     ForwardSpans({}, ratio=1.0, tracer=tracer, meter=meter)(steps(1, ["unknown"])[0])
     (span,) = out.get_finished_spans()
     assert span.parent is None and not span.links
+
+
+def test_forward_spans_take_the_engines_step_record(sdk):
+    tracer, meter, out, _ = sdk
+    request = tracer.start_span("generate r1")
+    record = StepRecord(model="tiny-llama", batch_size=1, num_tokens=1, padded_size=1, runtime_mode="compiled",
+                        phase="decode", start_ns=1_000, end_ns=2_000_000, request_ids=("r1",))
+    ForwardSpans({"r1": request.get_span_context()}, ratio=1.0, tracer=tracer, meter=meter)(record)
+    (span,) = out.get_finished_spans()
+    assert (span.start_time, span.end_time, span.attributes[spans.PHASE]) == (1_000, 2_000_000, "decode")
+    assert [link.context for link in span.links] == [request.get_span_context()]
 
 
 def test_ratio_thins_spans_but_not_the_histogram(sdk):

@@ -1,7 +1,7 @@
 """One ``forward`` span per engine step, timed by the engine's own clock, and the forward-time histogram.
 
 An engine step observer: the engine calls it with each step's record after the step's own sync, so reading the
-times costs no extra device sync. The record is duck-typed; it needs
+times costs no extra device sync. The record (exec_service.step_record.StepRecord) is duck-typed; it needs
 
     model: str            the served model's name
     batch_size: int       sequences in the step

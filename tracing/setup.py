@@ -1,8 +1,9 @@
 """Tracing and metrics for a Kiln process, from the standard OpenTelemetry environment variables.
 
-OTLP over gRPC to OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT. With no endpoint nothing is installed, so every
-span is the API's no-op one. Export runs on the SDK's own threads behind a bounded queue: a collector that is
-down or slow costs dropped spans, never serving time.
+OTLP over gRPC to OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT; OTEL_{TRACES,METRICS}_EXPORTER=none turns one
+signal off (Jaeger takes no metrics). With no endpoint nothing is installed, so every span is the API's no-op
+one. Export runs on the SDK's own threads behind a bounded queue: a collector that is down or slow costs dropped
+spans, never serving time.
 """
 
 import logging
@@ -11,7 +12,6 @@ import platform
 import threading
 from dataclasses import dataclass
 
-import torch
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -61,8 +61,7 @@ def init_tracing(service_name: str, resource_attributes: dict | None = None) -> 
     """Install the global tracer and meter providers for ``service_name`` (OTEL_SERVICE_NAME overrides it)."""
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return Telemetry(None, None)
-    traces_endpoint = _endpoint("TRACES")
-    metrics_endpoint = _endpoint("METRICS")
+    traces_endpoint, metrics_endpoint = _endpoint("TRACES"), _endpoint("METRICS")
     if not (traces_endpoint or metrics_endpoint):
         log.debug("tracing off: OTEL_EXPORTER_OTLP_ENDPOINT is not set")
         return Telemetry(None, None)
@@ -84,6 +83,9 @@ def init_tracing(service_name: str, resource_attributes: dict | None = None) -> 
 
 
 def _endpoint(signal: str) -> str:
+    """Where ``signal`` goes; empty when it is off."""
+    if os.environ.get(f"OTEL_{signal}_EXPORTER", "otlp").lower() == "none":
+        return ""
     return os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
 
 
@@ -111,6 +113,8 @@ def _resource(service_name: str, attributes: dict) -> Resource:
 
 
 def _device_attributes() -> dict:
+    import torch  # here, not at the top: a client with tracing off should not pay for importing torch
+
     attributes = {"kiln.torch.version": torch.__version__, "host.arch": platform.machine()}
     if torch.cuda.is_available():
         return {**attributes, "kiln.device": "cuda", "kiln.device.name": torch.cuda.get_device_name(0),
