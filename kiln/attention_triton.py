@@ -28,7 +28,9 @@ LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
 DECODE_BLOCK_N = 32  # context tokens per decode loop iteration
-PREFILL_BLOCK_M = 64  # query tokens per prefill program
+DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
+# Prefill tiles by element size: (query tokens per program, context tokens per step, num_warps, num_stages).
+PREFILL_CONFIGS = {2: (128, 32, 8, 2), 4: (64, 32, 4, 2)}
 
 
 @triton.jit
@@ -64,6 +66,65 @@ def _write_kv_kernel(
     dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims * stride_cd
     tl.store(k_cache_ptr + dest, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    n0,
+    end,
+    q_pos,
+    kv_head,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """One online-softmax step of q's rows over context tokens n0 .. n0 + BLOCK_N, read through the block table.
+
+    MASKED drops tokens at or past ``end`` and, with CAUSAL, those after each row's position ``q_pos``; an
+    unmasked tile must lie wholly before ``end`` and before every row's position.
+    """
+    pos = n0 + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = pos < end
+    if MASKED:
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE)
+    offs = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    kv_offs = offs[:, None] + dims[None, :] * stride_cd
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_offs)
+        v = tl.load(v_cache_ptr + kv_offs)
+    scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    if MASKED:
+        keep = valid[None, :]
+        if CAUSAL:
+            keep = keep & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(keep, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -125,21 +186,29 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offs = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_offs = offs[:, None] + dims[None, :] * stride_cd
-        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            n0,
+            end,
+            end,
+            kv_head,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_cd,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            MASKED=True,
+            CAUSAL=False,
+        )
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -245,24 +314,57 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Every row of the block sees context tokens 0 .. prefix + m_block * BLOCK_M: whole tiles below need no mask.
     end = tl.minimum(seq_len, prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len))
-    for n0 in range(0, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offs = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_offs = offs[:, None] + dims[None, :] * stride_cd
-        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
-        scores = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    unmasked_end = tl.maximum(prefix + m_block * BLOCK_M + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            n0,
+            end,
+            q_pos,
+            kv_head,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_cd,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            MASKED=False,
+            CAUSAL=True,
+        )
+    for n0 in range(unmasked_end, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            n0,
+            end,
+            q_pos,
+            kv_head,
+            qk_scale,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_cd,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            MASKED=True,
+            CAUSAL=True,
+        )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -278,8 +380,8 @@ def _sm_count(device_index: int) -> int:
 
 
 def _decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Splits per sequence: enough programs to fill the GPU twice, from shapes only (never from this step's lengths)."""
-    fill = triton.cdiv(2 * _sm_count(device.index or 0), batch * num_kv_heads)
+    """Splits per sequence for DECODE_WAVES programs per multiprocessor: from shapes only, never this step's lengths."""
+    fill = triton.cdiv(DECODE_WAVES * _sm_count(device.index or 0), batch * num_kv_heads)
     return max(1, min(fill, MAX_DECODE_SPLITS, triton.cdiv(max_context, MIN_SPLIT_TOKENS)))
 
 
@@ -356,7 +458,8 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (triton.cdiv(meta.max_query_len, PREFILL_BLOCK_M), batch, num_heads)
+    block_m, block_n, num_warps, num_stages = PREFILL_CONFIGS[q.element_size()]
+    grid = (triton.cdiv(meta.max_query_len, block_m), batch, num_heads)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -373,10 +476,10 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=64 if q.element_size() <= 2 else 32,
-        num_warps=4,
-        num_stages=2,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 
@@ -397,4 +500,3 @@ def paged_attention(
     else:
         _prefill(q, kv_cache, meta, scale, out)
     return out
-

@@ -1,0 +1,103 @@
+"""Microbenchmark of Kiln's Triton attention kernels on one CUDA device (Llama-3-8B attention shapes).
+
+Decode is memory-bound, so it is reported as achieved GB/s of KV cache read against the device's copy bandwidth;
+prefill as TFLOP/s of causal attention. Run from the repository root: ``python -m bench.attention_kernels``.
+"""
+
+import time
+
+import torch
+import triton
+from triton.testing import do_bench, do_bench_cudagraph
+
+from kiln.attention_triton import paged_attention
+from kiln.forward_context import AttentionMetadata
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
+MAX_MODEL_LEN = 8192  # block-table width, as a server sizes it; decode's split count depends on it
+
+
+def make_step(seq_lens: list[int], query_lens: list[int]):
+    """Arguments of one attention call over sequences whose blocks are scattered at random over the cache."""
+    width = MAX_MODEL_LEN // BLOCK_SIZE
+    num_blocks = len(seq_lens) * width
+    block_tables = torch.randperm(num_blocks, device="cuda").view(len(seq_lens), width).to(torch.int32)
+    slots = []
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        positions = torch.arange(seq_len - query_len, seq_len, device="cuda")
+        slots.append(block_tables[i, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE)
+    num_tokens = sum(query_lens)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        query_start_loc=torch.tensor([0, *query_lens], device="cuda").cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_seqs=len(seq_lens),
+    )
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    return q, k, v, kv_cache, meta, HEAD_DIM**-0.5
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy (bytes read + written): the ceiling for memory-bound kernels."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() / ms / 1e6
+
+
+def wall_us_per_call(fn, calls: int = 200) -> float:
+    """Wall time of back-to-back eager calls: the host's launch cost wherever it exceeds the GPU's time."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def bench_decode(batch: int, context: int) -> None:
+    """Time one decode step of ``batch`` sequences of ``context`` tokens, eager (L2 flushed) and as a CUDA graph."""
+    args = make_step([context] * batch, [1] * batch)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    eager_ms = do_bench(lambda: paged_attention(*args), return_mode="median")
+    graph_ms = do_bench_cudagraph(lambda: paged_attention(*args), return_mode="median")
+    wall_us = wall_us_per_call(lambda: paged_attention(*args))
+    print(
+        f"| decode | {batch} | {context} | {kv_bytes / 2**20:.1f} MiB | {eager_ms * 1e3:.1f} µs "
+        f"| {kv_bytes / eager_ms / 1e6:.0f} GB/s | {graph_ms * 1e3:.1f} µs | {kv_bytes / graph_ms / 1e6:.0f} GB/s "
+        f"| {wall_us:.1f} µs |"
+    )
+
+
+def bench_prefill(batch: int, length: int) -> None:
+    """Time a prefill of ``batch`` fresh sequences of ``length`` tokens."""
+    args = make_step([length] * batch, [length] * batch)
+    flops = 4 * batch * NUM_HEADS * HEAD_DIM * length * (length + 1) // 2
+    ms = do_bench(lambda: paged_attention(*args), return_mode="median")
+    print(f"| prefill | {batch} | {length} | | {ms * 1e3:.1f} µs | {flops / ms / 1e9:.1f} TFLOP/s | | | |")
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device copy bandwidth: {copy_bandwidth():.0f} GB/s")
+    print(f"Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} d={HEAD_DIM} block={BLOCK_SIZE} {DTYPE}; eager: do_bench, L2 flushed;")
+    print("graph: do_bench_cudagraph, L2 not flushed (small working sets may be served from L2);")
+    print("wall: back-to-back eager calls, host launch cost included\n")
+    print("| step | batch | context | KV read | eager | eager KV GB/s | graph | graph KV GB/s | wall/call |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for batch, context in [(1, 1024), (32, 1024), (1, 8192), (64, 4096), (256, 1024)]:
+        bench_decode(batch, context)
+    bench_prefill(4, 2048)
+    bench_prefill(32, 256)
+
+
+if __name__ == "__main__":
+    main()

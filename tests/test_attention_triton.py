@@ -1,0 +1,227 @@
+"""The Triton paged-attention kernels against the plain-torch reference, on random data (GPU only)."""
+
+import random
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kiln import attention_reference
+from kiln.forward_context import AttentionMetadata
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Different random data for every case, reproducible from the test's name."""
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+
+def make_case(
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    padding_rows: int = 0,
+    device: str = "cuda",
+) -> Case:
+    """A step over sequences whose last ``query_lens[i]`` of ``seq_lens[i]`` context tokens are new.
+
+    Blocks are scattered at random over a randomly filled cache; q/k/v are strided views of one fused qkv tensor.
+    Each padding row owns one token with slot -1 and an empty context, as a CUDA-graph batch pads decode.
+    """
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks).tolist()
+    width = max(blocks_per_seq, default=0) + 2
+    block_tables = torch.zeros(len(seq_lens) + padding_rows, width, dtype=torch.int32)
+    slots = []
+    for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        blocks = [order.pop() for _ in range(blocks_per_seq[i])]
+        block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len - query_len, seq_len)]
+    slots += [-1] * padding_rows
+    all_query_lens = list(query_lens) + [1] * padding_rows
+    query_start_loc = torch.tensor([0] + all_query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    num_tokens = len(slots)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=torch.tensor(list(seq_lens) + [0] * padding_rows, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_query_len=max(all_query_lens),
+        max_seq_len=max(seq_lens),
+        num_seqs=len(seq_lens),
+    )
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return Case(q, k, v, kv_cache, meta, head_dim**-0.5)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check(case: Case) -> None:
+    """Run kernels and reference on copies of one cache; outputs must agree and the caches must be equal."""
+    from kiln import attention_triton
+
+    ref_cache = case.kv_cache.clone()
+    ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale)
+    out = attention_triton.paged_attention(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert torch.isfinite(out).all()
+    assert torch.equal(case.kv_cache, ref_cache)
+    padding = case.meta.query_start_loc[case.meta.num_seqs].item()
+    assert not out[padding:].any()
+    assert relative_error(out, ref) < TOLERANCE[case.q.dtype]
+
+
+# (batch, num_heads, num_kv_heads, head_dim, block_size, dtype): GQA groups 1/4/8, head_dim 64/128, block 16/32.
+DECODE_SHAPES = [
+    (1, 32, 8, 128, 16, torch.bfloat16),
+    (7, 8, 8, 64, 32, torch.float32),
+    (33, 32, 4, 128, 32, torch.bfloat16),
+    (64, 16, 4, 64, 16, torch.bfloat16),
+    (64, 8, 1, 128, 16, torch.float32),
+    (5, 4, 4, 128, 16, torch.float16),
+    (16, 32, 8, 128, 32, torch.float32),
+    (2, 8, 1, 64, 32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+@pytest.mark.parametrize("padding_rows", [0, 3])
+def test_decode(shape, padding_rows):
+    batch, num_heads, num_kv_heads, head_dim, block_size, dtype = shape
+    rng = random.Random(str((shape, padding_rows)))
+    seq_lens = [rng.randint(1, 4000) for _ in range(batch)]
+    seq_lens[0] = 1
+    if batch > 2:
+        seq_lens[1] = 4000
+    check(make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, padding_rows))
+
+
+# (seq_lens, query_lens): fresh prefill, mixed prefill + decode, prefill over a cached prefix (e.g. recompute).
+PREFILL_STEPS = {
+    "prefill": ([37, 128, 5, 300, 64], [37, 128, 5, 300, 64]),
+    "mixed": ([101, 3001, 50, 8, 264, 1], [1, 1, 50, 1, 200, 1]),
+    "cached_prefix": ([1017, 97, 2630, 65], [17, 64, 130, 65]),
+    "long": ([1500, 700], [1500, 333]),
+}
+PREFILL_SHAPES = [
+    (32, 8, 128, 16, torch.bfloat16),
+    (8, 8, 64, 32, torch.float32),
+    (16, 2, 64, 16, torch.bfloat16),
+    (8, 1, 128, 32, torch.float32),
+    (4, 4, 128, 32, torch.float16),
+]
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=str)
+@pytest.mark.parametrize("step", PREFILL_STEPS)
+def test_prefill(shape, step):
+    seq_lens, query_lens = PREFILL_STEPS[step]
+    check(make_case(seq_lens, query_lens, *shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_with_padding_rows(dtype):
+    check(make_case([300, 41, 900], [300, 1, 77], 16, 4, 128, 16, dtype, padding_rows=5))
+
+
+def test_write_kv_skips_padding_slots():
+    from kiln import attention_triton
+
+    case = make_case([40, 9, 70], [40, 9, 3], 8, 2, 64, 16, torch.bfloat16, padding_rows=4)
+    slots = case.meta.slot_mapping
+    slots[::2] = -1
+    before = case.kv_cache.clone()
+    attention_triton.write_kv(case.k, case.v, case.kv_cache, slots)
+    flat = case.kv_cache.view(2, -1, *case.kv_cache.shape[3:])
+    written = slots >= 0
+    assert torch.equal(flat[0, slots[written]], case.k[written])
+    assert torch.equal(flat[1, slots[written]], case.v[written])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=slots.device)
+    untouched[slots[written]] = False
+    assert torch.equal(flat[:, untouched], before.view_as(flat)[:, untouched])
+
+
+def test_decode_cuda_graph_replay():
+    """Capture one decode step, then replay it with new lengths, block tables, slots and fewer real sequences."""
+    from kiln import attention_triton
+
+    batch, num_heads, num_kv_heads, head_dim, block_size, dtype = 8, 32, 8, 128, 16, torch.bfloat16
+    max_context = 4000
+    width = -(-max_context // block_size)
+    num_blocks = batch * width
+    case = make_case([5] * batch, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    q, k, v, meta = case.q, case.k, case.v, case.meta
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    block_tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    block_tables[:, :1] = meta.block_tables[:, :1]
+    meta.block_tables = block_tables
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention_triton.paged_attention(q, k, v, kv_cache, meta, case.scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_triton.paged_attention(q, k, v, kv_cache, meta, case.scale)
+
+    rng = random.Random(0)
+    for num_seqs in (8, 6, 3):
+        seq_lens = [rng.randint(1, max_context) for _ in range(num_seqs)] + [0] * (batch - num_seqs)
+        blocks = torch.randperm(num_blocks, device="cuda")[: batch * width].view(batch, width).to(torch.int32)
+        positions = torch.tensor(seq_lens, device="cuda").clamp(min=1) - 1
+        slots = blocks.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+        slots[num_seqs:] = -1
+        meta.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        meta.block_tables.copy_(blocks)
+        meta.slot_mapping.copy_(slots)
+        for tensor in (q, k, v):
+            tensor.copy_(torch.randn_like(tensor))
+        ref_meta = AttentionMetadata(
+            meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, 1, max(seq_lens), num_seqs
+        )
+        ref_cache = kv_cache.clone()
+        ref = attention_reference.paged_attention(q, k, v, ref_cache, ref_meta, case.scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kv_cache, ref_cache)
+        assert torch.isfinite(out).all() and not out[num_seqs:].any()
+        assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+def test_attention_op_runs_the_triton_kernels():
+    """``kiln::attention`` on CUDA inside a forward context reaches these kernels (reference-equal output)."""
+    from kiln.attention import attention
+    from kiln.forward_context import ForwardContext, forward_context
+
+    case = make_case([700, 90], [100, 1], 16, 4, 128, 16, torch.bfloat16)
+    ref_cache = case.kv_cache.clone()
+    ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale)
+    with forward_context(ForwardContext(kv_caches=[None, case.kv_cache], metadata=case.meta)):
+        out = attention(case.q, case.k, case.v, 1, case.scale)
+    assert torch.equal(case.kv_cache, ref_cache)
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
