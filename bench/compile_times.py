@@ -71,8 +71,9 @@ def run(code: str, *args: str, env: dict) -> dict:
 
 
 def fresh_env(tmp: Path, name: str) -> dict:
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp / name / "inductor"),
-                         "TRITON_CACHE_DIR": str(tmp / name / "triton"), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+                         "TRITON_CACHE_DIR": str(tmp / name / "triton"), "PYTHONPATH": python_path}
 
 
 def main() -> None:

@@ -1,0 +1,201 @@
+"""Forward time per batch size on one GPU: Kiln (compiled + CUDA graph) against the same model eager, eager + CUDA
+graph, compiled without graphs, Hugging Face transformers' own forward, and the memory-bandwidth floor.
+
+Every step decodes one new token per sequence over a context of --context tokens in the paged KV cache, and
+includes the logits. The floor is (weight bytes + KV bytes read) / the copy bandwidth measured in this run.
+
+usage: python bench/forward_latency.py --bundle STORE/KEY [--preset llama-3-8b] [--batch-sizes 1,2,4,8,16,32,64]
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from exec_service import kv_cache
+from exec_service.cuda_graphs import CUDAGraphs
+from kiln.bundle import load_compiled
+from kiln.counters import expect_no_compile
+from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
+from kiln.model import build_model, weights_bytes
+from kiln.model_spec import resolve
+from protos import common_pb2
+
+BLOCK_SIZE = 16
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.randn(1 << 30, dtype=torch.float32, device="cuda")  # 4 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[2:])
+
+
+def time_ms(fn, iters: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def decode_metadata(bs: int, context: int, max_blocks: int) -> AttentionMetadata:
+    """bs sequences of `context` cached tokens, each decoding its next token; blocks laid out per sequence."""
+    tables = torch.arange(bs * max_blocks, dtype=torch.int32, device="cuda").view(bs, max_blocks)
+    slot = tables[:, context // BLOCK_SIZE].long() * BLOCK_SIZE + context % BLOCK_SIZE
+    return AttentionMetadata(
+        slot_mapping=slot, query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((bs,), context + 1, dtype=torch.int32, device="cuda"), block_tables=tables,
+        max_query_len=1, max_seq_len=context + 1, num_seqs=bs)
+
+
+class GraphedInputs:
+    """The StepInputs duck type CUDAGraphs.replay reads."""
+
+    def __init__(self, ids, positions, metadata):
+        self.input_ids, self.positions, self.metadata = ids, positions, metadata
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bundle", required=True, type=Path)
+    p.add_argument("--preset", default="llama-3-8b")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args()
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    torch.set_grad_enabled(False)
+    resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
+    model = build_model(resolved, "cuda")
+    spec = kv_cache.KVCacheSpec.from_config(resolved.config, BLOCK_SIZE, resolved.dtype)
+    max_blocks = -(-(args.context + 1) // BLOCK_SIZE)
+    caches = kv_cache.allocate(spec, max(sizes) * max_blocks, "cuda")
+    for cache in caches:
+        cache.normal_()
+    with expect_no_compile("loading the bundle"):
+        compiled = load_compiled(args.bundle)
+    bandwidth = copy_bandwidth()
+    w_bytes = weights_bytes(model)
+    config = resolved.config
+    vocab = config.vocab_size
+
+    def compiled_forward(ids, pos):
+        return compiled(model, ids, pos)
+
+    graphs = {name: CUDAGraphs(fn, tuple(sizes), max_blocks, args.context + 1, config.hidden_size, resolved.dtype,
+                               torch.device("cuda"))
+              for name, fn in (("kiln", compiled_forward), ("eager+graph", model))}
+    for name, g in graphs.items():
+        with expect_no_compile(f"capturing {name}"):
+            g.capture(caches)
+
+    rows = []
+    for bs in sizes:
+        meta = decode_metadata(bs, args.context, max_blocks)
+        ids = torch.randint(0, vocab, (bs,), device="cuda")
+        pos = torch.full((bs,), args.context, dtype=torch.int64, device="cuda")
+        ctx = ForwardContext(caches, meta)
+        inputs = GraphedInputs(ids, pos, meta)
+
+        def eager(ctx=ctx, ids=ids, pos=pos):
+            with forward_context(ctx):
+                model.logits(model(ids, pos))
+
+        def compiled_step(ctx=ctx, ids=ids, pos=pos):
+            with forward_context(ctx):
+                model.logits(compiled(model, ids, pos))
+
+        def graphed(name, bs=bs, inputs=inputs):
+            return lambda: model.logits(graphs[name].replay(graphs[name].padded_size(bs, True), inputs))
+
+        hf_ms = hf_forward_ms(model, bs, args.context, vocab)
+        kv_read = bs * (args.context + 1) * spec.block_bytes // BLOCK_SIZE
+        floor_ms = (w_bytes + kv_read) / bandwidth * 1e3
+        row = {"batch_size": bs, "floor_ms": floor_ms,
+               "kiln_ms": time_ms(graphed("kiln")), "eager_ms": time_ms(eager),
+               "eager_graph_ms": time_ms(graphed("eager+graph")), "compiled_ms": time_ms(compiled_step),
+               "hf_ms": hf_ms}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {w_bytes / 1e9:.2f} GB, context {args.context}, "
+          f"{args.preset} bf16, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
+    print("| batch | floor ms | Kiln (compiled+graph) ms | Kiln/floor | eager ms | eager+graph ms | compiled ms "
+          "| HF transformers ms | HF/Kiln |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch_size']} | {r['floor_ms']:.2f} | {r['kiln_ms']:.2f} | {r['kiln_ms'] / r['floor_ms']:.2f}x | "
+              f"{r['eager_ms']:.2f} | {r['eager_graph_ms']:.2f} | {r['compiled_ms']:.2f} | {r['hf_ms']:.2f} | "
+              f"{r['hf_ms'] / r['kiln_ms']:.1f}x |")
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"bandwidth": bandwidth, "rows": rows}, indent=1))
+        plot(rows, args.json_out.with_suffix(".png"), args.preset)
+
+
+def hf_forward_ms(model, bs: int, context: int, vocab: int) -> float:
+    """transformers' own decode step (sdpa attention, DynamicCache) over the same context."""
+    causal_lm = model.causal_lm
+    previous = causal_lm.config._attn_implementation
+    causal_lm.config._attn_implementation = "sdpa"
+    try:
+        cache = DynamicCache(config=causal_lm.config)
+        prompt = torch.randint(0, vocab, (bs, context), device="cuda")
+        causal_lm(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        step = torch.randint(0, vocab, (bs, 1), device="cuda")
+        cache.crop(context)
+
+        def forward():
+            causal_lm(input_ids=step, past_key_values=cache, use_cache=True)
+            cache.crop(context)
+
+        return time_ms(forward, iters=10)
+    finally:
+        causal_lm.config._attn_implementation = previous
+        torch.cuda.empty_cache()
+
+
+def plot(rows, path: Path, preset: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["batch_size"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (("kiln_ms", "Kiln (compiled + CUDA graph)"), ("compiled_ms", "compiled, no graph"),
+                       ("eager_graph_ms", "eager + CUDA graph"), ("eager_ms", "eager"),
+                       ("hf_ms", "HF transformers"), ("floor_ms", "memory-bandwidth floor")):
+        ax.plot(sizes, [r[key] for r in rows], marker="o", label=label, linestyle="--" if key == "floor_ms" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size (sequences, 1 new token each)")
+    ax.set_ylabel("forward time (ms)")
+    ax.set_title(f"{preset} bf16 decode forward, context 1024, H200")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
