@@ -1,20 +1,32 @@
 """``kiln demo``, the README's first command, run as a user runs it: a subprocess that must finish and exit 0."""
 
+import os
 import re
 import subprocess
 import sys
 
 import pytest
+from otlp_receiver import OtlpReceiver
 
 # The issue's bound for a fresh clone on a 2-core CPU, cold Inductor compile included.
 DEMO_BUDGET_S = 300
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
+def otlp():
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory, otlp):
+    """One demo run, tracing to a real OTLP receiver as it would to Jaeger."""
     store = tmp_path_factory.mktemp("demo-store")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp.endpoint
     result = subprocess.run([sys.executable, "-m", "kiln.cli", "demo", "--store", str(store), "--device", "cpu"],
-                            capture_output=True, text=True, timeout=DEMO_BUDGET_S)
+                            capture_output=True, text=True, timeout=DEMO_BUDGET_S, env=env)
     return result, store
 
 
@@ -41,3 +53,13 @@ def test_demo_stops_both_services_and_leaves_the_bundle(demo):
     assert "exec service stopped" in result.stdout and "compile service stopped" in result.stdout
     bundles = [p for p in store.iterdir() if not p.name.startswith(".")]
     assert len(bundles) == 1 and (bundles[0] / "manifest.json").is_file()
+
+
+def test_demo_traces_to_the_otlp_endpoint(demo, otlp):
+    """The demo is one trace rooted in its own span; the compile service, inheriting the endpoint, traces too."""
+    (root,) = otlp.wait_for(lambda r: [s for s in r.spans() if s.name == "kiln demo"])
+    assert root.resource["service.name"] == "kiln-demo" and root.parent_span_id == ""
+    calls = {s.name for s in otlp.spans(root.trace_id) if s.kind == "CLIENT"}
+    assert {"/kiln.v1.ExecService/LoadModel", "/kiln.v1.ExecService/Generate"} <= calls, calls
+    compile_spans = {s.name for s in otlp.spans() if s.resource.get("service.name") == "kiln-compile"}
+    assert {"compile", "trace", "split", "inductor", "save"} <= compile_spans, compile_spans

@@ -22,6 +22,7 @@ GPU_PRESET = "llama-3.2-1b"
 CPU_PRESET = "tiny-llama"
 # Different lengths, so the first steps mix prefills of several sizes before the decodes batch up.
 PROMPT_LENGTHS = (5, 12, 23, 40, 7, 31, 16, 9)
+DEMO_SPAN = "kiln demo"
 
 
 def register(subparsers) -> None:
@@ -66,7 +67,13 @@ def run_demo(args) -> int:
         for service in services:
             seconds = service.wait_healthy(args.startup_timeout)
             _say(f"{service.name} service serving at {service.address} ({seconds:.1f}s)")
-        asyncio.run(_exercise(exec_service.address, model, device, args.prompts, args.max_tokens))
+        from tracing.setup import init_tracing  # imports torch: not at module level, where `kiln health` pays
+
+        telemetry = init_tracing("kiln-demo")
+        try:
+            asyncio.run(_exercise(exec_service.address, model, device, args.prompts, args.max_tokens))
+        finally:
+            telemetry.shutdown()
         for service in reversed(services):
             service.stop()
             _say(f"{service.name} service stopped")
@@ -91,25 +98,18 @@ def run_demo(args) -> int:
 
 
 async def _exercise(address: str, model: str, device: str, num_prompts: int, max_tokens: int) -> None:
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = exec_pb2_grpc.ExecServiceStub(channel)
-        sizing = await _load(stub, model, device)
-        rng = random.Random(0)
-        prompts = [[rng.randrange(3, sizing.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS[:num_prompts]]
-        _say(f"\ngenerating {max_tokens} tokens for {len(prompts)} prompts at once (greedy)")
-        started = time.monotonic()
-        results = await asyncio.gather(*(_generate(stub, model, p, max_tokens) for p in prompts))
-        elapsed = time.monotonic() - started
-        for i, (prompt, (tokens, usage)) in enumerate(zip(prompts, results, strict=True)):
-            _say(f"  prompt {i} ({len(prompt)} tokens) -> {len(tokens)} tokens, first after "
-                 f"{usage.time_to_first_token_s:.3f}s, done after {usage.total_s:.3f}s: {tokens}")
-        total = sum(len(tokens) for tokens, _ in results)
-        _say(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s)")
-        stats = await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))
-        _say("\n" + stats_line([_stat(s) for s in stats.stats]))
-        for s in stats.stats:
-            _say(f"  batch {s.batch_size:3d}: {s.count:4d} forwards, median {s.median_ms:8.2f} ms, "
-                 f"p90 {s.p90_ms:8.2f} ms, {s.runtime_mode}")
+    """Under one root span, so with OTEL_EXPORTER_OTLP_ENDPOINT set the whole demo is one trace."""
+    from tracing.grpc_instrumentation import instrumented_aio_channel
+    from tracing.spans import tracer
+
+    with tracer.start_as_current_span(DEMO_SPAN):
+        async with instrumented_aio_channel(address, CHANNEL_OPTIONS) as channel:
+            stub = exec_pb2_grpc.ExecServiceStub(channel)
+            sizing = await _load(stub, model, device)
+            rng = random.Random(0)
+            prompts = [[rng.randrange(3, sizing.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS[:num_prompts]]
+            await _generate_all(stub, model, prompts, max_tokens)
+            await _print_forward_stats(stub, model)
 
 
 async def _load(stub, model: str, device: str) -> exec_pb2.ModelSizing:
@@ -131,6 +131,18 @@ async def _load(stub, model: str, device: str) -> exec_pb2.ModelSizing:
     raise RuntimeError("LoadModel stream ended before the model was ready")
 
 
+async def _generate_all(stub, model: str, prompts: list[list[int]], max_tokens: int) -> None:
+    _say(f"\ngenerating {max_tokens} tokens for {len(prompts)} prompts at once (greedy)")
+    started = time.monotonic()
+    results = await asyncio.gather(*(_generate(stub, model, p, max_tokens) for p in prompts))
+    elapsed = time.monotonic() - started
+    for i, (prompt, (tokens, usage)) in enumerate(zip(prompts, results, strict=True)):
+        _say(f"  prompt {i} ({len(prompt)} tokens) -> {len(tokens)} tokens, first after "
+             f"{usage.time_to_first_token_s:.3f}s, done after {usage.total_s:.3f}s: {tokens}")
+    total = sum(len(tokens) for tokens, _ in results)
+    _say(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s)")
+
+
 async def _generate(stub, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], exec_pb2.Usage]:
     request = exec_pb2.GenerateRequest(model=model, prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0,
                                        ignore_eos=True)
@@ -141,6 +153,14 @@ async def _generate(stub, model: str, prompt: list[int], max_tokens: int) -> tup
         if response.HasField("usage"):
             usage = response.usage
     return tokens, usage
+
+
+async def _print_forward_stats(stub, model: str) -> None:
+    stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
+    _say("\n" + stats_line([_stat(s) for s in stats]))
+    for s in stats:
+        _say(f"  batch {s.batch_size:3d}: {s.count:4d} forwards, median {s.median_ms:8.2f} ms, "
+             f"p90 {s.p90_ms:8.2f} ms, {s.runtime_mode}")
 
 
 def _stat(s: exec_pb2.BatchSizeStats) -> BatchSizeStat:
