@@ -89,8 +89,11 @@ def run_demo(args) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        for service in services:
-            service.kill()
+        for service in reversed(services):  # after a failure: those still running, gracefully where they let us
+            try:
+                service.stop()
+            except ServiceFailed:
+                service.kill()
         if failed:
             print(f"service logs kept in {workdir}", file=sys.stderr)
         else:

@@ -53,7 +53,7 @@ class ServiceProcess:
             self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             env=self.env)
 
-    def wait_healthy(self, timeout: float, service: str = "") -> float:
+    def wait_healthy(self, timeout: float) -> float:
         """Seconds until the health service said SERVING; ServiceFailed if the child died or time ran out."""
         started = time.monotonic()
         last = "no answer yet"
@@ -62,7 +62,7 @@ class ServiceProcess:
                 raise ServiceFailed(f"{self.name} service exited with code {self.process.returncode} before it "
                                     f"served\n{self.log_tail()}")
             try:
-                last = check(self.address, service, timeout=POLL_S * 2)
+                last = check(self.address, timeout=POLL_S * 2)
                 if last == SERVING:
                     return time.monotonic() - started
             except grpc.RpcError as exc:
@@ -101,13 +101,12 @@ class ServiceProcess:
         return "\n".join(f"  {self.name}| {line}" for line in text)
 
 
-def child_environment(**overrides: str) -> dict:
-    """This process's environment (OTEL_* included, so the children trace where we would) plus ``overrides``.
+def child_environment() -> dict:
+    """This process's environment, OTEL_* included, so the children trace where we would.
 
     OTEL_SERVICE_NAME is left out: each server names itself (kiln-compile, kiln-exec), and one shared name would
     merge the two services in Jaeger.
     """
     env = {k: v for k, v in os.environ.items() if k != "OTEL_SERVICE_NAME"}
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(overrides)
     return env
