@@ -44,8 +44,9 @@ def test_demo_prints_startup_phases_tokens_and_forward_times(demo):
     assert all(int(g[2]) == 16 and len(g[3].split(",")) == 16 for g in generated), out
     stats = re.search(r"^Batchsize forward time stats \(batchsize, count, median_time\(ms\)\): \[(.+)\]$", out, re.M)
     assert stats, out
-    # Four prompts at once: some step ran all four sequences together.
-    assert re.search(r"\(4, \d+, \d+\.\d\d\)", stats[1]), stats[0]
+    # Prompts sent at once are batched: some step ran several sequences together.
+    batch_sizes = [int(b) for b in re.findall(r"\((\d+), \d+, \d+\.\d\d\)", stats[1])]
+    assert batch_sizes and max(batch_sizes) > 1, stats[0]
 
 
 def test_demo_stops_both_services_and_leaves_the_bundle(demo):
