@@ -82,19 +82,23 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-batched-tokens", default="2048")
+    p.add_argument("--variants", default="piecewise,full graph", help="comma-separated: piecewise, full graph")
+    p.add_argument("--keep-stores", type=Path, help="write the stores here (store-piecewise/KEY) and keep them")
     args = p.parse_args()
     common = [args.preset, args.device, args.dtype]
+    variants = {"piecewise": "0", "full graph": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         rows = {}
-        for label, full in (("piecewise", "0"), ("full graph", "1")):
-            store = tmp / f"store-{full}"
+        for label in args.variants.split(","):
+            full = variants[label]
+            store = (args.keep_stores or tmp) / f"store-{label.replace(' ', '-')}"
             rows[label] = run(COMPILE, *common, str(store), full, args.max_num_batched_tokens,
                               env=fresh_env(tmp, f"compile-{full}"))
             key = rows[label]["key"]
             rows[label] |= run(LOAD, *common, str(store / key), env=fresh_env(tmp, f"load-{full}"))
     print(json.dumps(rows, indent=1))
-    base = rows["full graph"]["cold_s"]
+    base = rows.get("full graph", rows[next(iter(rows))])["cold_s"]
     print(f"\n{args.preset} {args.dtype} on {args.device}, {time.strftime('%Y-%m-%d')}")
     print("| variant | pieces | cold compile s | vs full graph | bundle MB | cache hit s | load s | first forward s "
           "| Dynamo graphs / Inductor compiles at load |")
