@@ -53,9 +53,10 @@ def _load_pretrained(weights: str, model: ResolvedModel, device: str) -> PreTrai
     if not path.is_dir() or not any(path.glob("*.safetensors")):
         raise NotFound(f"weights: {weights!r} is neither 'dummy' nor a directory with *.safetensors")
     try:
+        # Moved after loading: device_map would need accelerate, which Kiln does not depend on.
         return AutoModelForCausalLM.from_pretrained(
-            path, config=model.config, dtype=model.dtype, device_map=device, use_safetensors=True
-        )
+            path, config=model.config, dtype=model.dtype, use_safetensors=True
+        ).to(device)
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"weights: cannot load {path}: {exc}") from None
 
