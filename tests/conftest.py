@@ -106,3 +106,56 @@ def traced_compile_server(otlp_receiver, tmp_path_factory):
     server.wait_healthy(timeout=120)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def exec_cache(tmp_path_factory):
+    """The exec server's own bundle cache (it downloads from the compile server, as a replica without a shared disk)."""
+    return tmp_path_factory.mktemp("exec-cache")
+
+
+@pytest.fixture(scope="session")
+def step_records() -> list:
+    """Every engine step of the session's exec server, as its step observers see them."""
+    return []
+
+
+@pytest.fixture(scope="session")
+def exec_server(compile_server, tiny_key, exec_cache, step_records):
+    """One real exec server for the session; the tiny model is compiled (tiny_key) before it fetches anything."""
+    from exec_service.server import start_exec_server
+
+    server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", compile_server.address, cache_dir=exec_cache,
+                                                        step_observers=[step_records.append]))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def exec_channel(exec_server):
+    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
+    yield channel
+    channel.close()
+
+
+@pytest.fixture(scope="session")
+def exec_stub(exec_channel):
+    from protos import exec_pb2_grpc
+
+    return exec_pb2_grpc.ExecServiceStub(exec_channel)
+
+
+def load_model(stub, name: str, **fields) -> list:
+    """LoadModel to the end; returns every event, the last one ``ready``."""
+    from protos import exec_pb2
+
+    request = exec_pb2.LoadModelRequest(name=name, model=TINY_MODEL, config=TINY_CONFIG, **fields)
+    events = list(stub.LoadModel(request))
+    assert events[-1].HasField("ready")
+    return events
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(exec_stub) -> list:
+    """The session's tiny model on the exec server, dummy weights (seed 0), default sizing; its LoadModel events."""
+    return load_model(exec_stub, "tiny")

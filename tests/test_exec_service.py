@@ -1,0 +1,420 @@
+"""The execute service through its real gRPC server, fetching real bundles from the real compile server.
+
+Greedy output is checked token for token against transformers' own ``generate`` on the same weights.
+"""
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from conftest import TINY_MODEL, load_model
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kiln import bundle
+from kiln.artifact_store import FilesystemStore
+from kiln.counters import compile_counts
+from kiln.model_spec import resolve
+from protos import common_pb2, exec_pb2
+
+PHASES = ["fetch", "load_weights", "profile_memory", "load_compiled", "capture_cudagraphs", "ready"]
+# Prompt lengths around the block size (16) and past the step budget (128: the longest prefills in chunks).
+PROMPT_LENGTHS = [1, 5, 16, 17, 40, 150]
+
+
+def hf_model(seed: int = 0):
+    """transformers' own model with the weights build_model gives for ``seed``, on its SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = resolve(TINY_MODEL, "cpu").config
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tiny():
+    return hf_model(0)
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def prompt_of(length: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 13 * salt + 3) % 509 + 3 for i in range(length)]
+
+
+def generate(stub, model: str, prompt: list[int], **fields) -> tuple[list[int], exec_pb2.GenerateResponse]:
+    """All tokens of one Generate, and its last message."""
+    tokens, last = [], None
+    for response in stub.Generate(exec_pb2.GenerateRequest(model=model, prompt_ids=prompt, **fields)):
+        tokens += response.token_ids
+        last = response
+    return tokens, last
+
+
+def greedy_concurrently(stub, model: str, prompts: list[list[int]], max_tokens: int) -> list:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: generate(stub, model, p, max_tokens=max_tokens, temperature=0.0,
+                                                ignore_eos=True), prompts))
+
+
+def model_info(stub, name: str) -> exec_pb2.ModelInfo:
+    return next(m for m in stub.ListModels(exec_pb2.ListModelsRequest()).models if m.name == name)
+
+
+def wait_until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_startup_phases_in_order_profile_before_compiled_load(tiny_loaded, tiny_key):
+    phases = [e.phase for e in tiny_loaded if e.HasField("phase") and not e.phase.progress]
+    assert [p.phase for p in phases] == PHASES
+    by_name = {p.phase: p for p in phases}
+    assert by_name["fetch"].detail.startswith("downloaded") and tiny_key in by_name["fetch"].detail
+    sizing = tiny_loaded[-1].ready
+    assert by_name["profile_memory"].detail == f"# CPU blocks: {sizing.num_kv_blocks}"
+    assert sizing.key.digest == tiny_key and sizing.runtime_mode == "compiled" and sizing.device == "cpu"
+    assert sizing.num_kv_blocks == (64 << 20) // (2 * 2 * 16 * 2 * 16 * 4)  # 64 MiB of 8 KiB blocks
+    assert sizing.max_num_batched_tokens == 128 and sizing.max_model_len == 512 and sizing.vocab_size == 512
+    assert [t.phase for t in sizing.timings] == PHASES[:-1]
+
+
+def test_greedy_matches_transformers_for_concurrent_prompts(exec_stub, tiny_loaded, hf_tiny, step_records):
+    prompts = [prompt_of(n, salt) for salt, n in enumerate(PROMPT_LENGTHS)]
+    first_step = len(step_records)
+    results = greedy_concurrently(exec_stub, "tiny", prompts, max_tokens=24)
+    for prompt, (tokens, last) in zip(prompts, results, strict=True):
+        assert tokens == hf_greedy(hf_tiny, prompt, 24), f"prompt of {len(prompt)} tokens"
+        assert last.finish_reason == exec_pb2.FINISH_REASON_LENGTH
+        assert last.usage.prompt_tokens == len(prompt) and last.usage.output_tokens == 24
+    steps = [r for r in step_records[first_step:] if r.model == "tiny"]
+    assert max(r.batch_size for r in steps) > 1
+    assert "mixed" in {r.phase for r in steps}, "some step should decode while another prompt prefills"
+    assert max(r.num_tokens for r in steps) <= 128
+    assert all(r.runtime_mode == "compiled" and r.end_ns >= r.start_ns for r in steps)
+
+
+def test_preemption_keeps_greedy_output_exact(exec_stub, hf_tiny):
+    # 12 blocks of 16 tokens: each request fits alone (at most 6 blocks), all four at once do not.
+    events = load_model(exec_stub, "tiny-small-kv", kv_cache_bytes=12 * 8192)
+    assert events[-1].ready.num_kv_blocks == 12
+    prompts = [prompt_of(n, salt) for salt, n in enumerate([20, 33, 47, 60])]
+    results = greedy_concurrently(exec_stub, "tiny-small-kv", prompts, max_tokens=30)
+    for prompt, (tokens, _) in zip(prompts, results, strict=True):
+        assert tokens == hf_greedy(hf_tiny, prompt, 30)
+    assert sum(last.usage.num_preemptions for _, last in results) > 0
+    assert model_info(exec_stub, "tiny-small-kv").num_free_blocks == 12
+
+    with pytest.raises(grpc.RpcError) as exc:
+        generate(exec_stub, "tiny-small-kv", prompt_of(150), max_tokens=100)
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "249 tokens need 16 KV blocks" in exc.value.details() and "has 12" in exc.value.details()
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory):
+    """A tiny model saved by transformers with other weights than the dummy ones, and a word-level tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    hf_model(seed=7).save_pretrained(path)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 512)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def test_weights_from_a_local_hf_directory(exec_stub, weights_dir):
+    from transformers import AutoModelForCausalLM
+
+    load_model(exec_stub, "tiny-hf", weights=str(weights_dir))
+    reference = AutoModelForCausalLM.from_pretrained(weights_dir, attn_implementation="sdpa").eval()
+    prompts = [prompt_of(n, salt) for salt, n in enumerate([3, 19, 70])]
+    for prompt, (tokens, _) in zip(prompts, greedy_concurrently(exec_stub, "tiny-hf", prompts, 16), strict=True):
+        assert tokens == hf_greedy(reference, prompt, 16)
+
+    # The directory has a tokenizer, so text goes in and comes out.
+    texts, tokens = [], []
+    request = exec_pb2.GenerateRequest(model="tiny-hf", prompt="w5 w7 w100", max_tokens=6, temperature=0,
+                                       ignore_eos=True)
+    for response in exec_stub.Generate(request):
+        texts.append(response.text)
+        tokens += response.token_ids
+    assert tokens == hf_greedy(reference, [5, 7, 100], 6)
+    assert "".join(texts) == " ".join(f"w{t}" for t in tokens)
+
+
+def test_second_load_uses_the_local_cache_and_nothing_compiles_after_fetch(exec_stub, tiny_loaded, hf_tiny):
+    before = compile_counts()
+    events = load_model(exec_stub, "tiny-counted")
+    fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch")
+    assert fetch.detail.startswith("local cache"), "a second load must not download again"
+    prompts = [prompt_of(n, salt) for salt, n in enumerate([2, 30, 130])]
+    for prompt, (tokens, _) in zip(prompts, greedy_concurrently(exec_stub, "tiny-counted", prompts, 8), strict=True):
+        assert tokens == hf_greedy(hf_tiny, prompt, 8)
+    delta = compile_counts() - before
+    assert (delta.dynamo_graphs, delta.inductor_compiles) == (0, 0)
+
+
+def test_eager_mode_fetches_nothing_and_matches(exec_stub, hf_tiny):
+    events = load_model(exec_stub, "tiny-eager", runtime_mode=exec_pb2.RUNTIME_MODE_EAGER)
+    assert events[-1].ready.runtime_mode == "eager" and not events[-1].ready.key.digest
+    prompt = prompt_of(9)
+    assert generate(exec_stub, "tiny-eager", prompt, max_tokens=8, temperature=0, ignore_eos=True)[0] == \
+        hf_greedy(hf_tiny, prompt, 8)
+
+
+def test_stop_tokens_and_max_model_len_end_generation(exec_stub, tiny_loaded, hf_tiny):
+    prompt = prompt_of(12)
+    expected = hf_greedy(hf_tiny, prompt, 10)
+    stop = expected[4]
+    tokens, last = generate(exec_stub, "tiny", prompt, max_tokens=10, temperature=0, stop_token_ids=[stop])
+    assert tokens == expected[:expected.index(stop) + 1]
+    assert last.finish_reason == exec_pb2.FINISH_REASON_STOP
+
+    tokens, last = generate(exec_stub, "tiny", prompt_of(505), max_tokens=50, temperature=0, ignore_eos=True)
+    assert len(tokens) == 512 - 505 and last.finish_reason == exec_pb2.FINISH_REASON_LENGTH
+
+
+def test_cancellation_and_deadline_free_blocks(exec_stub, tiny_loaded):
+    start = model_info(exec_stub, "tiny").num_free_blocks
+    call = exec_stub.Generate(exec_pb2.GenerateRequest(model="tiny", prompt_ids=prompt_of(100), max_tokens=2000,
+                                                       ignore_eos=True))
+    next(call)
+    info = model_info(exec_stub, "tiny")
+    assert info.num_running == 1 and info.num_free_blocks < start
+    call.cancel()
+    wait_until(lambda: model_info(exec_stub, "tiny").num_free_blocks == start)
+
+    with pytest.raises(grpc.RpcError) as exc:
+        list(exec_stub.Generate(exec_pb2.GenerateRequest(model="tiny", prompt_ids=prompt_of(300), max_tokens=2000,
+                                                         ignore_eos=True), timeout=0.5))
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: model_info(exec_stub, "tiny").num_free_blocks == start)
+    assert model_info(exec_stub, "tiny").num_running == 0
+
+
+def test_seeded_sampling_is_reproducible(exec_stub, tiny_loaded):
+    def sample(seed, prompt):
+        return generate(exec_stub, "tiny", prompt, max_tokens=12, temperature=0.9, top_p=0.95, top_k=100,
+                        seed=seed, ignore_eos=True)[0]
+
+    prompt = prompt_of(10)
+    alone = sample(1234, prompt)
+    # Again, now sharing every step with other requests: a seeded request's tokens must not depend on them.
+    with ThreadPoolExecutor(4) as pool:
+        crowd = [pool.submit(generate, exec_stub, "tiny", prompt_of(30, s), max_tokens=12, temperature=1.0,
+                             ignore_eos=True) for s in range(3)]
+        together = sample(1234, prompt)
+        [f.result() for f in crowd]
+    assert together == alone
+    assert sample(4321, prompt) != alone
+
+
+def test_bad_inputs_get_their_status_while_another_request_streams(exec_stub, tiny_loaded, hf_tiny):
+    prompt = prompt_of(20)
+    with ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(generate, exec_stub, "tiny", prompt, max_tokens=150, temperature=0, ignore_eos=True)
+        wait_until(lambda: model_info(exec_stub, "tiny").num_running >= 1)
+        cases = [
+            (dict(model="nope", prompt_ids=[1]), grpc.StatusCode.NOT_FOUND, "model"),
+            (dict(prompt_ids=prompt_of(512)), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: 512 tokens"),
+            (dict(prompt_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids: the prompt is empty"),
+            (dict(prompt_ids=[1, 512]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids[1]: token id 512"),
+            (dict(prompt_ids=[1, -3]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids[1]"),
+            (dict(prompt_ids=[1], max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+            (dict(prompt_ids=[1], max_tokens=-5), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+            (dict(prompt_ids=[1], top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+            (dict(prompt_ids=[1], top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+            (dict(prompt_ids=[1], temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+            (dict(prompt_ids=[1], top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+            (dict(prompt_ids=[1], stop_token_ids=[600]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids[0]"),
+            (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "prompt: model 'tiny' has no tokenizer"),
+            (dict(prompt="w1", prompt_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
+        ]
+        for fields, code, text in cases:
+            request = exec_pb2.GenerateRequest(**{"model": "tiny", **fields})
+            with pytest.raises(grpc.RpcError) as exc:
+                list(exec_stub.Generate(request))
+            assert exc.value.code() == code, fields
+            assert text in exc.value.details(), (fields, exc.value.details())
+        assert not streaming.done(), "the good request should still be streaming"
+        tokens, _ = streaming.result()
+    assert tokens == hf_greedy(hf_tiny, prompt, 150)
+
+
+def test_generate_before_ready_is_unavailable(exec_stub, exec_channel, exec_cache, tiny_key, tiny_loaded):
+    health = health_pb2_grpc.HealthStub(exec_channel)
+
+    def status(name):
+        return health.Check(health_pb2.HealthCheckRequest(service=f"kiln.v1.ExecService/{name}")).status
+
+    # Another loader holding the cache's lock on the bundle keeps this load in its fetch phase.
+    with ThreadPoolExecutor(1) as pool:
+        with FilesystemStore(exec_cache).lock(tiny_key):
+            loading = pool.submit(load_model, exec_stub, "tiny-late")
+            wait_until(lambda: any(m.name == "tiny-late" for m in exec_stub.ListModels(
+                exec_pb2.ListModelsRequest()).models))
+            assert model_info(exec_stub, "tiny-late").state == exec_pb2.MODEL_STATE_LOADING
+            assert status("tiny-late") == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as exc:
+                generate(exec_stub, "tiny-late", [1, 2])
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in exc.value.details()
+        loading.result()
+    assert status("tiny-late") == health_pb2.HealthCheckResponse.SERVING
+    assert status("tiny") == health_pb2.HealthCheckResponse.SERVING
+    assert len(generate(exec_stub, "tiny-late", [1, 2], max_tokens=3)[0]) >= 1
+
+
+def test_full_waiting_queue_is_resource_exhausted(exec_stub):
+    load_model(exec_stub, "tiny-queue", max_num_seqs=1, max_num_waiting=1)
+    long = dict(model="tiny-queue", prompt_ids=[1, 2, 3], max_tokens=2000, ignore_eos=True)
+    running = exec_stub.Generate(exec_pb2.GenerateRequest(**long))
+    next(running)
+    waiting = exec_stub.Generate(exec_pb2.GenerateRequest(**long))
+    wait_until(lambda: model_info(exec_stub, "tiny-queue").num_waiting == 1)
+    with pytest.raises(grpc.RpcError) as exc:
+        generate(exec_stub, "tiny-queue", [1, 2, 3])
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_num_waiting" in exc.value.details()
+    running.cancel()
+    next(waiting)  # the waiting request moves up once the running one is gone
+    waiting.cancel()
+
+
+def test_bundle_for_another_torch_is_failed_precondition(exec_stub, compile_store, tiny_key):
+    forged = "f" * 64
+    shutil.copytree(compile_store / tiny_key, compile_store / forged)
+    factors = json.loads((compile_store / forged / bundle.KEY_FACTORS).read_text())
+    factors["environment"]["torch"] = "2.11.0"
+    (compile_store / forged / bundle.KEY_FACTORS).write_text(json.dumps(factors))
+    manifest = bundle.read_manifest(compile_store / forged)
+    fields = {k: v for k, v in manifest.__dict__.items() if k != "files"}
+    bundle.write_manifest(compile_store / forged, **fields)
+
+    with pytest.raises(grpc.RpcError) as exc:
+        load_model(exec_stub, "tiny-old-torch", key=common_pb2.ArtifactKey(digest=forged))
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"was compiled for torch 2.11.0, this process has {torch.__version__}" in exc.value.details()
+    info = model_info(exec_stub, "tiny-old-torch")
+    assert info.state == exec_pb2.MODEL_STATE_FAILED and "torch 2.11.0" in info.error
+    with pytest.raises(grpc.RpcError) as exc:
+        generate(exec_stub, "tiny-old-torch", [1])
+    assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "failed to load" in exc.value.details()
+
+
+def test_bad_load_requests(exec_stub, tiny_key, tiny_loaded):
+    def load_error(**fields) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as exc:
+            load_model(exec_stub, fields.pop("name", "tiny-bad"), **fields)
+        return exc.value
+
+    key = common_pb2.ArtifactKey(digest=tiny_key)
+    cases = [
+        (dict(max_model_len=513), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+        (dict(block_size=12), grpc.StatusCode.INVALID_ARGUMENT, "block_size"),
+        (dict(gpu_memory_utilization=1.5), grpc.StatusCode.INVALID_ARGUMENT, "gpu_memory_utilization"),
+        (dict(runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH), grpc.StatusCode.INVALID_ARGUMENT, "runtime_mode"),
+        (dict(capture_sizes=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "capture_sizes"),
+        (dict(kv_cache_bytes=100), grpc.StatusCode.RESOURCE_EXHAUSTED, "kv_cache_bytes"),
+        (dict(max_num_batched_tokens=256), grpc.StatusCode.INVALID_ARGUMENT, "max_num_batched_tokens: 256"),
+        (dict(name="no spaces"), grpc.StatusCode.INVALID_ARGUMENT, "name"),
+        (dict(name="tiny"), grpc.StatusCode.ALREADY_EXISTS, "name"),
+        (dict(weights="/nonexistent"), grpc.StatusCode.NOT_FOUND, "weights"),
+        (dict(key=common_pb2.ArtifactKey(digest="xyz")), grpc.StatusCode.INVALID_ARGUMENT, "key.digest"),
+        (dict(key=common_pb2.ArtifactKey(digest="0" * 64)), grpc.StatusCode.NOT_FOUND, "no artifact"),
+    ]
+    for fields, code, text in cases:
+        error = load_error(**fields)
+        assert error.code() == code, (fields, error.details())
+        assert text in error.details(), (fields, error.details())
+
+    # A key must belong to the model it is loaded for.
+    with pytest.raises(grpc.RpcError) as exc:
+        list(exec_stub.LoadModel(exec_pb2.LoadModelRequest(
+            name="qwen-with-llama-bundle", model=common_pb2.ModelSpec(preset="qwen2.5-0.5b", dtype="float32"),
+            key=key)))
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "another model config" in exc.value.details()
+
+
+def test_unload(exec_stub, exec_channel):
+    load_model(exec_stub, "tiny-unload")
+    exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-unload"))
+    assert "tiny-unload" not in [m.name for m in exec_stub.ListModels(exec_pb2.ListModelsRequest()).models]
+    health = health_pb2_grpc.HealthStub(exec_channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="kiln.v1.ExecService/tiny-unload")).status == \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    for call in (lambda: generate(exec_stub, "tiny-unload", [1]),
+                 lambda: exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-unload"))):
+        with pytest.raises(grpc.RpcError) as exc:
+            call()
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_forward_stats(exec_stub, tiny_loaded):
+    generate(exec_stub, "tiny", [1, 2, 3], max_tokens=4)
+    stats = exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny")).stats
+    assert stats and all(s.model == "tiny" and s.count >= 1 and s.median_ms > 0 for s in stats)
+    assert {s.runtime_mode for s in stats} == {"compiled"}
+    exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny", reset=True))
+    assert not exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny")).stats
+    with pytest.raises(grpc.RpcError) as exc:
+        exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="nope"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_cli_generate_models_stats(exec_server, tiny_loaded, hf_tiny, capsys):
+    from kiln.cli import main
+
+    assert main(["generate", exec_server.address, "--model", "tiny", "--prompt-ids", "4,5,6", "--max-tokens", "5",
+                 "--temperature", "0", "--ignore-eos", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tokens = [t for line in lines for t in line.get("token_ids", [])]
+    assert tokens == hf_greedy(hf_tiny, [4, 5, 6], 5)
+    assert lines[-1]["finish_reason"] == "FINISH_REASON_LENGTH" and lines[-1]["usage"]["output_tokens"] == 5
+
+    assert main(["models", exec_server.address, "--json"]) == 0
+    models = {m["name"]: m for m in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert models["tiny"]["state"] == "MODEL_STATE_READY"
+
+    assert main(["stats", exec_server.address]) == 0
+    assert "compiled" in capsys.readouterr().out
+
+    assert main(["generate", exec_server.address, "--model", "tiny", "--prompt-ids", "1", "--top-p", "2"]) == 1
+    assert "INVALID_ARGUMENT: top_p" in capsys.readouterr().err
+
+
+def test_cli_load_prints_each_phase(exec_server, tiny_loaded, capsys):
+    from kiln.cli import main
+
+    assert main(["load", exec_server.address, "tiny-llama", "--name", "tiny-cli", "--device", "cpu",
+                 "--compile-sizes", "8", "--max-num-batched-tokens", "128"]) == 0
+    out = capsys.readouterr().out
+    for phase in PHASES[:-1]:
+        assert f"  {phase}  " in out
+    assert "# CPU blocks:" in out and "ready:" in out
+
+
+def test_concurrent_generates_on_two_models(exec_stub, tiny_loaded, hf_tiny):
+    load_model(exec_stub, "tiny-second")
+    prompts = [prompt_of(n, salt) for salt, n in enumerate([8, 25])]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(generate, exec_stub, name, p, max_tokens=12, temperature=0, ignore_eos=True)
+                   for name in ("tiny", "tiny-second") for p in prompts]
+        results = [f.result()[0] for f in futures]
+    expected = [hf_greedy(hf_tiny, p, 12) for p in prompts]
+    assert results == expected + expected
