@@ -18,15 +18,11 @@ class ScheduledSequence:
     seq: Sequence
     start: int  # first token position run this step (the sequence's computed tokens before it)
     num_new_tokens: int
+    samples: bool  # the step reaches the sequence's last token, so its logits give the next token
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The step reaches the sequence's last token, so its logits give the next token."""
-        return self.end == self.seq.num_tokens
 
     @property
     def is_decode(self) -> bool:
@@ -131,7 +127,8 @@ class Scheduler:
         self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
         if seq.first_scheduled_s is None:
             seq.first_scheduled_s = time.perf_counter()
-        return ScheduledSequence(seq, seq.num_computed_tokens, num_new)
+        start = seq.num_computed_tokens
+        return ScheduledSequence(seq, start, num_new, samples=start + num_new == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -1,0 +1,152 @@
+"""Block manager, scheduler and sampler on their own: budgets, chunked prefill, preemption order, sampling rules."""
+
+import pytest
+import torch
+
+from exec_service.block_manager import BlockManager
+from exec_service.sampler import Sampler
+from exec_service.scheduler import Scheduler
+from exec_service.sequence import SamplingParams, Sequence, SequenceStatus
+from protos import exec_pb2
+
+GREEDY = SamplingParams(max_tokens=100, temperature=0.0)
+
+
+def seq(request_id: str, prompt_len: int, params: SamplingParams = GREEDY) -> Sequence:
+    return Sequence(request_id, list(range(3, 3 + prompt_len)), params, max_model_len=512, eos_token_ids=frozenset({2}))
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    """One step as the engine runs it, with every sampling sequence getting ``token``."""
+    batch = scheduler.schedule()
+    scheduler.postprocess(batch, [token] * len(batch.sampling_entries))
+    return batch
+
+
+def test_blocks_are_allocated_on_demand_and_freed():
+    manager = BlockManager(num_blocks=4, block_size=16)
+    s = seq("a", 20)
+    assert manager.blocks_missing(s, 20) == 2 and manager.can_allocate(s, 64) and not manager.can_allocate(s, 65)
+    manager.allocate(s, 20)
+    assert len(s.block_table) == 2 and manager.num_free_blocks == 2
+    manager.allocate(s, 32)
+    assert len(s.block_table) == 2, "32 tokens still fit in two blocks"
+    manager.free(s)
+    assert manager.num_free_blocks == 4 and s.block_table == [] and s.num_computed_tokens == 0
+
+
+def test_long_prompts_prefill_in_chunks_beside_decodes():
+    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    short, long = seq("short", 4), seq("long", 70)
+    scheduler.add(short)
+    scheduler.add(long)
+    first = run_step(scheduler)
+    assert [(e.seq.request_id, e.num_new_tokens) for e in first.entries] == [("short", 4), ("long", 28)]
+    assert first.phase == "prefill" and [e.seq.request_id for e in first.sampling_entries] == ["short"]
+    second = run_step(scheduler)
+    assert [(e.seq.request_id, e.start, e.num_new_tokens) for e in second.entries] == [("short", 4, 1),
+                                                                                      ("long", 28, 31)]
+    assert second.phase == "mixed" and second.num_tokens == 32
+    third = run_step(scheduler)
+    assert [(e.seq.request_id, e.num_new_tokens) for e in third.entries] == [("short", 1), ("long", 11)]
+    assert long.output_token_ids == [7] and third.sampling_entries[-1].seq is long
+    assert run_step(scheduler).is_decode_only
+
+
+def test_max_num_seqs_leaves_the_rest_waiting():
+    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=2, max_num_batched_tokens=512)
+    for i in range(3):
+        scheduler.add(seq(str(i), 5))
+    assert [e.seq.request_id for e in run_step(scheduler).entries] == ["0", "1"]
+    assert [s.request_id for s in scheduler.waiting] == ["2"]
+
+
+def test_preemption_takes_the_newest_and_it_recomputes_first():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
+    old, new = seq("old", 7), seq("new", 7)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # both prefill 7 tokens into 2 blocks each: the cache is full
+    run_step(scheduler)  # both decode token 8, which still fits their second block
+    assert manager.num_free_blocks == 0
+    batch = run_step(scheduler)  # token 9 of "old" needs a third block: "new" is preempted
+    assert [e.seq.request_id for e in batch.entries] == ["old"]
+    assert new.status is SequenceStatus.WAITING and new.num_preemptions == 1 and new.block_table == []
+    assert list(scheduler.waiting) == [new] and new.num_computed_tokens == 0
+    scheduler.abort("old")
+    batch = run_step(scheduler)
+    # The preempted sequence recomputes its prompt and its sampled tokens in one prefill, then samples on.
+    assert [(e.seq.request_id, e.start, e.num_new_tokens) for e in batch.entries] == [("new", 0, 9)]
+    assert batch.phase == "prefill" and new.output_token_ids == [7, 7, 7]
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    manager = BlockManager(16, 16)
+    scheduler = Scheduler(manager, max_num_seqs=1, max_num_batched_tokens=64)
+    running, waiting = seq("running", 20), seq("waiting", 20)
+    scheduler.add(running)
+    scheduler.add(waiting)
+    run_step(scheduler)
+    assert manager.num_free_blocks == 14
+    assert scheduler.abort("waiting") is waiting and scheduler.abort("running") is running
+    assert manager.num_free_blocks == 16 and not scheduler.has_work and scheduler.abort("running") is None
+
+
+def test_stop_conditions():
+    s = seq("s", 3, SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=frozenset({9})))
+    s.append_token(2)  # eos, not ignored
+    assert s.finish_reason == exec_pb2.FINISH_REASON_STOP
+    s = seq("s", 3, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    s.append_token(2)
+    assert not s.is_finished
+    s.append_token(2)
+    assert s.finish_reason == exec_pb2.FINISH_REASON_LENGTH
+    s = seq("s", 3, SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=frozenset({9})))
+    s.append_token(9)
+    assert s.finish_reason == exec_pb2.FINISH_REASON_STOP and s.output_token_ids == [9]
+
+
+@pytest.fixture
+def logits():
+    torch.manual_seed(0)
+    return torch.randn(4, 50) * 3
+
+
+def test_greedy_and_top_k_one_take_the_argmax(logits):
+    sampler = Sampler("cpu")
+    argmax = logits.argmax(-1).tolist()
+    assert sampler(logits, [seq(str(i), 1) for i in range(4)]) == argmax
+    top1 = SamplingParams(temperature=1.5, top_k=1)
+    assert sampler(logits, [seq(str(i), 1, top1) for i in range(4)]) == argmax
+    tiny_nucleus = SamplingParams(temperature=1.0, top_p=1e-6)
+    assert sampler(logits, [seq(str(i), 1, tiny_nucleus) for i in range(4)]) == argmax
+
+
+def test_sampling_stays_inside_top_k_and_top_p(logits):
+    sampler = Sampler("cpu")
+    row = logits[:1].expand(400, -1)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    tokens = sampler(row, [seq(str(i), 1, SamplingParams(temperature=1.0, top_k=5)) for i in range(400)])
+    assert set(tokens) <= top5 and len(set(tokens)) > 1
+    probs = logits[0].softmax(-1)
+    ordered = probs.sort(descending=True)
+    nucleus = set(ordered.indices[:int((ordered.values.cumsum(0) < 0.8).sum()) + 1].tolist())
+    tokens = sampler(row, [seq(str(i), 1, SamplingParams(temperature=1.0, top_p=0.8)) for i in range(400)])
+    assert set(tokens) <= nucleus
+
+
+def test_a_seeded_request_samples_the_same_whatever_shares_its_step(logits):
+    sampler = Sampler("cpu")
+
+    def seeded():
+        s = seq("seeded", 1, SamplingParams(temperature=1.0, seed=5))
+        s.generator = torch.Generator().manual_seed(5)
+        return s
+
+    alone = seeded()
+    tokens_alone = [sampler(logits[:1], [alone])[0] for _ in range(20)]
+    crowded, crowd = seeded(), [seq(str(i), 1, SamplingParams(temperature=1.0)) for i in range(3)]
+    batch = torch.cat([logits[1:], logits[:1]])
+    tokens_crowded = [sampler(batch, [*crowd, crowded])[3] for _ in range(20)]
+    assert tokens_alone == tokens_crowded and len(set(tokens_alone)) > 1
