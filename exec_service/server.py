@@ -19,6 +19,7 @@ from exec_service.engine import StepObserver
 from exec_service.fetch import BundleFetcher
 from exec_service.served_model import ServedModel
 from exec_service.startup import LoadTarget, StartedModel, start_model
+from kiln import bundle
 from kiln.artifact_store import FilesystemStore
 from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, first_line
 from kiln.grpc_server import CHANNEL_OPTIONS, Server, status_errors
@@ -150,6 +151,7 @@ async def start_exec_server(address: str, compile_address: str | None = None, st
     With ``store_dir`` (a store shared with the compile service) bundles are read in place; otherwise they are
     downloaded from the compile service into ``cache_dir`` once and reused.
     """
+    await asyncio.to_thread(bundle.preload_runtime)
     store = FilesystemStore(store_dir if store_dir is not None else cache_dir)
     channel = grpc.insecure_channel(compile_address, options=CHANNEL_OPTIONS) if compile_address else None
     fetcher = BundleFetcher(store, shared=store_dir is not None, compile_channel=channel)

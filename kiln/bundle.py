@@ -102,6 +102,24 @@ def unpack(data: bytes, expected_sha256: str, dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
+def preload_runtime() -> None:
+    """Import what loading a bundle needs (Dynamo's AOT loader, Inductor's runtime, Triton) once per process.
+
+    A server calls this before it reports healthy, so a LoadModel's load phase is the bundle's own work and not
+    seconds of first-time imports.
+    """
+    import importlib
+
+    import kiln.attention  # noqa: F401
+    for module in ("torch._dynamo.aot_compile", "torch._inductor.standalone_compile", "torch._inductor.codecache",
+                   "torch._inductor.output_code", "torch._functorch._aot_autograd.aot_autograd_result"):
+        importlib.import_module(module)
+    try:
+        importlib.import_module("torch._inductor.runtime.triton_heuristics")
+    except ImportError:  # no Triton (CPU-only installs)
+        pass
+
+
 def load_compiled(bundle_dir: Path):
     """The compiled function of a bundle, called as ``fn(token_model, input_ids, positions)``; never compiles.
 
@@ -109,6 +127,8 @@ def load_compiled(bundle_dir: Path):
     the key factors first so that a user sees which factor differs.
     """
     import torch
+
+    import kiln.attention  # noqa: F401  (registers kiln::attention, which the split graph calls between pieces)
 
     with open(bundle_dir / COMPILED_FN, "rb") as f:
         return torch.compiler.load_compiled_function(f)

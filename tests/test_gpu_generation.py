@@ -46,8 +46,8 @@ def _spec(dtype: str) -> common_pb2.ModelSpec:
 def _kiln_tokens(stub, name: str, dtype: str, mode) -> list[list[int]]:
     request = exec_pb2.LoadModelRequest(
         name=name, model=_spec(dtype), config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256),
-        weights_seed=SEED, max_model_len=512, max_num_seqs=8, capture_sizes=[1, 2, 4, 8], runtime_mode=mode,
-        kv_cache_bytes=256 << 20)
+        weights_seed=SEED, max_model_len=512, max_num_seqs=8, runtime_mode=mode, kv_cache_bytes=256 << 20,
+        capture_sizes=[1, 2, 4, 8] if mode == exec_pb2.RUNTIME_MODE_CUDAGRAPH else [])
     events = list(stub.LoadModel(request))
     assert events[-1].ready.runtime_mode == exec_pb2.RuntimeMode.Name(mode).removeprefix("RUNTIME_MODE_").lower()
 
