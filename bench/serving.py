@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from kiln.cli.service_process import ServiceProcess, free_port, kiln_command
+from kiln.cli.service_process import LocalServices
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
@@ -57,22 +57,12 @@ async def generate_all(stub, model: str, prompts: list[list[int]], output_len: i
 
 
 async def kiln_run(args, prompts, tmp: Path) -> dict:
-    compile_port, exec_port = free_port(), free_port()
-    compile_server = ServiceProcess("compile", kiln_command("compile-server", "--host", "127.0.0.1", "--port",
-                                                            str(compile_port), "--store", str(tmp / "store")),
-                                    f"127.0.0.1:{compile_port}", tmp / "compile.log")
-    exec_server = ServiceProcess("exec", kiln_command("exec-server", "--host", "127.0.0.1", "--port", str(exec_port),
-                                                      "--compile-server", compile_server.address,
-                                                      "--cache", str(tmp / "exec-cache")),
-                                 f"127.0.0.1:{exec_port}", tmp / "exec.log")
-    compile_server.start()
-    exec_server.start()
+    services = LocalServices(tmp, tmp / "store")
     try:
-        compile_server.wait_healthy(120)
-        exec_server.wait_healthy(120)
+        services.start(300)
         spec = common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype)
         config = common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=args.max_num_batched_tokens)
-        async with grpc.aio.insecure_channel(compile_server.address, options=CHANNEL_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(services.compile.address, options=CHANNEL_OPTIONS) as channel:
             started = time.perf_counter()
             async for _ in compile_pb2_grpc.CompileServiceStub(channel).Compile(
                     compile_pb2.CompileRequest(model=spec, config=config)):
@@ -80,7 +70,7 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             cold_compile_s = time.perf_counter() - started
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
                                             max_model_len=args.max_prompt + args.output_len + 16)
-        async with grpc.aio.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(services.exec.address, options=CHANNEL_OPTIONS) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             print("LoadModel (bundle downloaded from the compile service):")
             first = await load(stub, request)
@@ -92,9 +82,9 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             throughput = await generate_all(stub, "bench", prompts, args.output_len)
             stats = await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="bench"))
             await stub.UnloadModel(exec_pb2.UnloadModelRequest(name="bench"))
+        services.stop()
     finally:
-        exec_server.stop()
-        compile_server.stop()
+        services.cleanup()
     return {"cold_compile_s": cold_compile_s, "first_load": first, "second_load": second, "throughput": throughput,
             "forward_stats": [(s.batch_size, s.count, round(s.median_ms, 2)) for s in stats.stats]}
 

@@ -64,7 +64,9 @@ class ForwardStats:
             return out
 
 
-def stats_line(stats: list[BatchSizeStat]) -> str:
-    """The vLLM PR's log line, so eager and compiled runs compare exactly as there."""
+def stats_line(stats) -> str:
+    """The vLLM PR's log line, so eager and compiled runs compare exactly as there.
+
+    ``stats``: BatchSizeStat rows or the GetForwardStats reply's messages (same field names)."""
     table = ", ".join(f"({s.batch_size}, {s.count}, {s.median_ms:.2f})" for s in stats)
     return f"Batchsize forward time stats (batchsize, count, median_time(ms)): [{table}]"

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 
 from kiln.cli.compile_commands import DEFAULT_STORE
-from kiln.cli.service_process import ServiceFailed, ServiceProcess, child_environment, free_port, kiln_command
+from kiln.cli.service_process import LocalServices, ServiceFailed
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
-from tracing.forward_stats import BatchSizeStat, stats_line
+from tracing.forward_stats import stats_line
 
 # A real model's config where a GPU can run it; the CI-sized one on a CPU.
 GPU_PRESET = "llama-3.2-1b"
@@ -48,35 +48,20 @@ def run_demo(args) -> int:
     model = args.model or (GPU_PRESET if device == "cuda" else CPU_PRESET)
     workdir = Path(tempfile.mkdtemp(prefix="kiln-demo-"))
     store = workdir / "store" if args.temp_store else Path(args.store).expanduser()
-    services: list[ServiceProcess] = []
+    services = LocalServices(workdir, store)
     failed = True
     try:
         _say(f"kiln demo: {model} on {device}; store {store}; service logs in {workdir}")
-        compile_port, exec_port = free_port(), free_port()
-        compile_service = ServiceProcess(
-            "compile", kiln_command("compile-server", "--host", "127.0.0.1", "--port", str(compile_port),
-                                    "--store", str(store)),
-            f"127.0.0.1:{compile_port}", workdir / "compile.log", child_environment())
-        exec_service = ServiceProcess(
-            "exec", kiln_command("exec-server", "--host", "127.0.0.1", "--port", str(exec_port),
-                                 "--compile-server", compile_service.address, "--cache", str(workdir / "exec-cache")),
-            f"127.0.0.1:{exec_port}", workdir / "exec.log", child_environment())
-        for service in (compile_service, exec_service):
-            service.start()
-            services.append(service)
-        for service in services:
-            seconds = service.wait_healthy(args.startup_timeout)
-            _say(f"{service.name} service serving at {service.address} ({seconds:.1f}s)")
+        services.start(args.startup_timeout, lambda service, seconds: _say(
+            f"{service.name} service serving at {service.address} ({seconds:.1f}s)"))
         from tracing.setup import init_tracing  # imports torch: not at module level, where `kiln health` pays
 
         telemetry = init_tracing("kiln-demo")
         try:
-            asyncio.run(_exercise(exec_service.address, model, device, args.prompts, args.max_tokens))
+            asyncio.run(_exercise(services.exec.address, model, device, args.prompts, args.max_tokens))
         finally:
             telemetry.shutdown()
-        for service in reversed(services):
-            service.stop()
-            _say(f"{service.name} service stopped")
+        services.stop(lambda service: _say(f"{service.name} service stopped"))
         failed = False
         return 0
     except grpc.RpcError as exc:
@@ -89,11 +74,7 @@ def run_demo(args) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        for service in reversed(services):  # after a failure: those still running, gracefully where they let us
-            try:
-                service.stop()
-            except ServiceFailed:
-                service.kill()
+        services.cleanup()
         if failed:
             print(f"service logs kept in {workdir}", file=sys.stderr)
         else:
@@ -160,15 +141,10 @@ async def _generate(stub, model: str, prompt: list[int], max_tokens: int) -> tup
 
 async def _print_forward_stats(stub, model: str) -> None:
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
-    _say("\n" + stats_line([_stat(s) for s in stats]))
+    _say("\n" + stats_line(stats))
     for s in stats:
         _say(f"  batch {s.batch_size:3d}: {s.count:4d} forwards, median {s.median_ms:8.2f} ms, "
              f"p90 {s.p90_ms:8.2f} ms, {s.runtime_mode}")
-
-
-def _stat(s: exec_pb2.BatchSizeStats) -> BatchSizeStat:
-    return BatchSizeStat(model=s.model, batch_size=s.batch_size, count=s.count, median_ms=s.median_ms,
-                         p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode)
 
 
 def _default_device() -> str:

@@ -110,3 +110,42 @@ def child_environment() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OTEL_SERVICE_NAME"}
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+class LocalServices:
+    """The compile and execute services as child processes on loopback: what ``kiln demo`` and ``kiln bench``
+    run when no server address is given. ``start()`` returns once both are healthy; ``stop()`` drains them."""
+
+    def __init__(self, workdir: Path, store: Path, env: dict | None = None):
+        compile_port, exec_port = free_port(), free_port()
+        env = env if env is not None else child_environment()
+        self.compile = ServiceProcess(
+            "compile", kiln_command("compile-server", "--host", "127.0.0.1", "--port", str(compile_port),
+                                    "--store", str(store)),
+            f"127.0.0.1:{compile_port}", workdir / "compile.log", env)
+        self.exec = ServiceProcess(
+            "exec", kiln_command("exec-server", "--host", "127.0.0.1", "--port", str(exec_port),
+                                 "--compile-server", self.compile.address, "--cache", str(workdir / "exec-cache")),
+            f"127.0.0.1:{exec_port}", workdir / "exec.log", env)
+        self.started: list[ServiceProcess] = []
+
+    def start(self, timeout: float, on_healthy=lambda service, seconds: None) -> None:
+        for service in (self.compile, self.exec):
+            service.start()
+            self.started.append(service)
+        for service in self.started:
+            on_healthy(service, service.wait_healthy(timeout))
+
+    def stop(self, on_stopped=lambda service: None) -> None:
+        """SIGTERM each, exec first; ServiceFailed if one does not exit cleanly."""
+        for service in reversed(self.started):
+            service.stop()
+            on_stopped(service)
+
+    def cleanup(self) -> None:
+        """After a failure: stop what still runs, gracefully where it lets us."""
+        for service in reversed(self.started):
+            try:
+                service.stop()
+            except ServiceFailed:
+                service.kill()

@@ -1,0 +1,35 @@
+"""`kiln bench latency` against the session's real execute service prints the latency and the PR's stats line."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TINY_CONFIG
+from google.protobuf import json_format
+
+STATS_LINE = re.compile(r"Batchsize forward time stats \(batchsize, count, median_time\(ms\)\): \[(.*)\]")
+
+
+def test_bench_latency_prints_the_forward_time_line(exec_server, tiny_key):
+    config = json.dumps(json_format.MessageToDict(TINY_CONFIG))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "bench", "latency", "tiny-llama", "--exec-server", exec_server.address,
+         "--batch-size", "3", "--input-len", "5", "--output-len", "6", "--num-iters", "2", "-O", config],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"Avg latency: \d+\.\d+ seconds", proc.stdout)
+    table = STATS_LINE.search(proc.stdout).group(1)
+    rows = [tuple(float(x) for x in row.split(", ")) for row in re.findall(r"\(([^)]*)\)", table)]
+    decode = {int(b): int(c) for b, c, _ in rows}
+    # 2 iterations × 5 decode steps of all three sequences (the first token comes from the prefill step).
+    assert decode.get(3, 0) >= 2 * 5
+    assert all(ms > 0 for _, _, ms in rows)
+
+
+def test_bench_latency_rejects_a_bad_config(exec_server):
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "latency", "tiny-llama", "--exec-server",
+                           exec_server.address, "-O", '{"no_such_field": 1}'], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "-O: not a CompileConfig" in proc.stderr
