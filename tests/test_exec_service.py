@@ -11,14 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from conftest import TINY_MODEL, load_model
+from conftest import TINY_MODEL, BackgroundServer, load_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from exec_service.server import start_exec_server
 from kiln import bundle
 from kiln.artifact_store import FilesystemStore
 from kiln.counters import compile_counts
 from kiln.model_spec import resolve
-from protos import common_pb2, exec_pb2
+from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
 PHASES = ["fetch", "load_weights", "profile_memory", "load_compiled", "capture_cudagraphs", "ready"]
 # Prompt lengths around the block size (16) and past the step budget (128: the longest prefills in chunks).
@@ -418,3 +419,23 @@ def test_concurrent_generates_on_two_models(exec_stub, tiny_loaded, hf_tiny):
         results = [f.result()[0] for f in futures]
     expected = [hf_greedy(hf_tiny, p, 12) for p in prompts]
     assert results == expected + expected
+
+
+def test_shared_store_is_read_in_place(compile_store, tiny_key, tiny_loaded, tmp_path):
+    """A replica on the compile service's volume needs no compile service for a bundle that is there."""
+    server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", store_dir=compile_store))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = exec_pb2_grpc.ExecServiceStub(channel)
+            events = load_model(stub, "tiny-shared")
+            fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch")
+            assert fetch.detail == f"shared store, key {tiny_key}"
+            assert len(generate(stub, "tiny-shared", [1, 2, 3], max_tokens=2)[0]) == 2
+            with pytest.raises(grpc.RpcError) as exc:  # not in the store, and nowhere to compile it
+                list(stub.LoadModel(exec_pb2.LoadModelRequest(
+                    name="tiny-elsewhere", model=TINY_MODEL,
+                    config=common_pb2.CompileConfig(device="cpu", max_num_batched_tokens=64))))
+            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "no compile service" in exc.value.details()
+    finally:
+        server.stop()
