@@ -141,7 +141,9 @@ class Engine:
                 self.scheduler.abort(entry.seq.request_id)
                 self._end(entry.seq, RequestOutput(error=error))
             return
-        forward_ms = out.timer.elapsed_ms()
+        # Observed before any request hears of its tokens: a request's span is still live when its last step's
+        # forward span links to it.
+        self._observe(batch, out.runtime_mode, out.padded_size, out.timer.start_ns, out.timer.elapsed_ms())
         self.scheduler.postprocess(batch, token_ids)
         for entry, token_id in zip(sampling, token_ids, strict=True):
             seq = entry.seq
@@ -149,7 +151,6 @@ class Engine:
                 self._end(seq, RequestOutput([token_id], seq.finish_reason, seq.usage()))
             elif seq.request_id in self._streams:
                 self._streams[seq.request_id].put(RequestOutput([token_id]))
-        self._observe(batch, out.runtime_mode, out.padded_size, out.timer.start_ns, forward_ms)
 
     def _end(self, seq: Sequence, output: RequestOutput) -> None:
         stream = self._streams.pop(seq.request_id, None)

@@ -85,18 +85,24 @@ class BundleFetcher:
     def _compile(self, spec: common_pb2.ModelSpec, config: CompileConfig, progress: ProgressFn) -> str:
         stub = self._stub()
         request = compile_pb2.CompileRequest(model=spec, config=config.to_proto())
+        result = None
         try:
+            # Read to the stream's end, past the result: the call (and its client span) ends here, not when the
+            # abandoned iterator is collected.
             for event in stub.Compile(request):
                 if event.HasField("result"):
-                    hit = "hit" if event.result.cache_hit else f"compiled in {event.result.total_s:.1f}s"
-                    progress(f"compile service: {hit}, key {event.result.key.digest}")
-                    return event.result.key.digest
-                p = event.progress
-                piece = f" piece {p.piece}/{p.num_pieces} size {p.size}" if p.phase == "inductor" else ""
-                progress(f"compile service: {p.phase}{piece} at {p.elapsed_s:.1f}s")
+                    result = event.result
+                    hit = "hit" if result.cache_hit else f"compiled in {result.total_s:.1f}s"
+                    progress(f"compile service: {hit}, key {result.key.digest}")
+                else:
+                    p = event.progress
+                    piece = f" piece {p.piece}/{p.num_pieces} size {p.size}" if p.phase == "inductor" else ""
+                    progress(f"compile service: {p.phase}{piece} at {p.elapsed_s:.1f}s")
         except grpc.RpcError as exc:
             raise CompileServiceError(exc) from None
-        raise Internal("compile service: the Compile stream ended without a result")
+        if result is None:
+            raise Internal("compile service: the Compile stream ended without a result")
+        return result.key.digest
 
     def _get_or_download(self, digest: str, progress: ProgressFn) -> tuple[Path, str]:
         with self.store.lock(digest):

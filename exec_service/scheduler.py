@@ -131,10 +131,10 @@ class Scheduler:
         return ScheduledSequence(seq, start, num_new, samples=start + num_new == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.preemptions.append((time.time_ns(), seq.num_computed_tokens))
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _retire(self, seq: Sequence) -> None:

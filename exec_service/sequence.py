@@ -48,7 +48,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: int = exec_pb2.FINISH_REASON_UNSPECIFIED
-    num_preemptions: int = 0
+    # (wall-clock ns, tokens whose KV was dropped) per preemption: the request span's events.
+    preemptions: list[tuple[int, int]] = field(default_factory=list)
     arrival_s: float = field(default_factory=time.perf_counter)
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
@@ -57,6 +58,10 @@ class Sequence:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preemptions)
 
     @property
     def num_tokens(self) -> int:

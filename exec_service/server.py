@@ -11,12 +11,12 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import grpc
 import torch
 
 from exec_service.detokenizer import Detokenizer
 from exec_service.engine import StepObserver
 from exec_service.fetch import BundleFetcher
+from exec_service.request_spans import RequestSpans
 from exec_service.served_model import ServedModel
 from exec_service.startup import LoadTarget, StartedModel, start_model
 from kiln import bundle
@@ -25,6 +25,7 @@ from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, 
 from kiln.grpc_server import CHANNEL_OPTIONS, Server, status_errors
 from protos import exec_pb2, exec_pb2_grpc
 from tracing.forward_stats import ForwardStats
+from tracing.grpc_instrumentation import instrumented_channel
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,12 @@ def health_name(model: str) -> str:
 
 class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
     def __init__(self, server: Server, fetcher: BundleFetcher, forward_stats: ForwardStats,
-                 step_observers: list[StepObserver]):
+                 step_observers: list[StepObserver], request_spans: RequestSpans):
         self.server = server
         self.fetcher = fetcher
         self.forward_stats = forward_stats
         self.step_observers = step_observers  # handed to every engine: forward spans hang here
+        self.request_spans = request_spans  # what forward spans link to
         self.models: dict[str, ServedModel] = {}
 
     @status_errors
@@ -60,7 +62,8 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         def emit(phase: exec_pb2.StartupPhase) -> None:
             loop.call_soon_threadsafe(events.put_nowait, phase)
 
-        # A task of its own: the load completes (or fails) and updates the model even if this client goes away.
+        # A task of its own: the load completes (or fails) and updates the model even if this client goes away. Task
+        # and thread run in copies of this context, so the startup spans are children of this call's server span.
         load = asyncio.ensure_future(self._load(served, target, emit))
         while not load.done() or not events.empty():
             getter = asyncio.ensure_future(events.get())
@@ -110,20 +113,21 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         served = self._model(request.model, "model")
         engine = served.engine()
         seq = served.new_sequence(request)
-        stream = engine.add_request(seq)
-        detokenizer = Detokenizer(served.started.tokenizer) if served.started.tokenizer else None
-        done = False
-        try:
-            async for output in stream:
-                if output.error is not None:
-                    raise output.error
-                done = output.is_last
-                yield exec_pb2.GenerateResponse(
-                    token_ids=output.token_ids, text=detokenizer.add(output.token_ids) if detokenizer else "",
-                    finish_reason=output.finish_reason, usage=output.usage)
-        finally:
-            if not done:  # cancelled, deadline passed, or the client went away: free the blocks now
-                engine.abort(seq.request_id)
+        with self.request_spans.track(served.name, seq):
+            stream = engine.add_request(seq)
+            detokenizer = Detokenizer(served.started.tokenizer) if served.started.tokenizer else None
+            done = False
+            try:
+                async for output in stream:
+                    if output.error is not None:
+                        raise output.error
+                    done = output.is_last
+                    yield exec_pb2.GenerateResponse(
+                        token_ids=output.token_ids, text=detokenizer.add(output.token_ids) if detokenizer else "",
+                        finish_reason=output.finish_reason, usage=output.usage)
+            finally:
+                if not done:  # cancelled, deadline passed, or the client went away: free the blocks now
+                    engine.abort(seq.request_id)
 
     @status_errors
     async def GetForwardStats(self, request, context):
@@ -145,18 +149,22 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
 
 async def start_exec_server(address: str, compile_address: str | None = None, store_dir: str | Path | None = None,
                             cache_dir: str | Path = DEFAULT_CACHE_DIR, interceptors: Iterable = (),
-                            step_observers: Iterable[StepObserver] = ()) -> tuple[Server, int]:
+                            step_observers: Iterable[StepObserver] = (), forward_stats: ForwardStats | None = None,
+                            request_spans: RequestSpans | None = None) -> tuple[Server, int]:
     """Build, bind and start; returns the server and its port (address may say port 0).
 
     With ``store_dir`` (a store shared with the compile service) bundles are read in place; otherwise they are
-    downloaded from the compile service into ``cache_dir`` once and reused.
+    downloaded from the compile service into ``cache_dir`` once and reused. Observers that report the forward
+    stats or link to requests share ``forward_stats`` and ``request_spans`` with the server (kiln exec-server).
     """
     await asyncio.to_thread(bundle.preload_runtime)
     store = FilesystemStore(store_dir if store_dir is not None else cache_dir)
-    channel = grpc.insecure_channel(compile_address, options=CHANNEL_OPTIONS) if compile_address else None
+    # Instrumented (once init_tracing ran): Compile and GetArtifact carry this trace to the compile service.
+    channel = instrumented_channel(compile_address, CHANNEL_OPTIONS) if compile_address else None
     fetcher = BundleFetcher(store, shared=store_dir is not None, compile_channel=channel)
     server = Server([SERVICE_NAME], interceptors)
-    servicer = ExecServicer(server, fetcher, ForwardStats(), list(step_observers))
+    servicer = ExecServicer(server, fetcher, forward_stats if forward_stats is not None else ForwardStats(),
+                            list(step_observers), request_spans if request_spans is not None else RequestSpans())
     exec_pb2_grpc.add_ExecServiceServicer_to_server(servicer, server.server)
     port = await server.start(address)
     log.info("exec service listening on port %d, compile service %s, %s %s", port, compile_address or "none",

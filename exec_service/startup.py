@@ -1,7 +1,8 @@
 """Bringing one model up, phase by phase: fetch, load weights, profile memory, load compiled, capture CUDA graphs.
 
-Each phase is timed, logged and reported to the LoadModel stream as it ends. The order is the contract: the memory
-profile runs on the eager model before the compiled function is loaded.
+Each phase is timed, logged, reported to the LoadModel stream as it ends, and a span under ``load_model`` with what
+it measured. The order is the contract: the memory profile runs on the eager model before the compiled function is
+loaded.
 """
 
 import logging
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry import trace
+
 from exec_service.engine import Engine, StepObserver
 from exec_service.engine_config import EngineConfig, model_name
 from exec_service.fetch import BundleFetcher, FetchedBundle
@@ -19,6 +22,7 @@ from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument
 from kiln.model_spec import ResolvedModel, resolve
 from protos import common_pb2, exec_pb2
+from tracing import spans
 from tracing.forward_stats import ForwardStats
 
 log = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ class StartedModel:
 
 
 class _Phases:
-    """Times each phase, logs it, and emits it (and progress inside it) to the LoadModel stream."""
+    """Times each phase, logs it, emits it (and progress inside it) to the LoadModel stream, and traces it."""
 
     def __init__(self, name: str, emit: EmitFn):
         self.name = name
@@ -67,10 +71,11 @@ class _Phases:
         self.timings: list[common_pb2.PhaseTiming] = []
 
     @contextmanager
-    def phase(self, phase: str) -> Iterator[exec_pb2.StartupPhase]:
+    def phase(self, phase: str) -> Iterator[tuple[exec_pb2.StartupPhase, trace.Span]]:
         event = exec_pb2.StartupPhase(phase=phase)
         start = time.perf_counter()
-        yield event  # the phase fills in its detail
+        with spans.tracer.start_as_current_span(phase) as span:
+            yield event, span  # the phase fills in its detail and its span's attributes
         event.seconds = time.perf_counter() - start
         log.info("%s: %s took %.2f s%s", self.name, phase, event.seconds, f" ({event.detail})" if event.detail else "")
         self.timings.append(common_pb2.PhaseTiming(phase=phase, seconds=event.seconds))
@@ -83,46 +88,59 @@ class _Phases:
 def start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: ForwardStats,
                 step_observers: list[StepObserver], emit: EmitFn) -> StartedModel:
     """Run every startup phase and start the engine; raises a KilnError the client can act on."""
+    with spans.phase_span(spans.LOAD_MODEL, model=target.name, runtime_mode=target.engine_config.runtime_mode):
+        return _start_model(target, fetcher, forward_stats, step_observers, emit)
+
+
+def _start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: ForwardStats,
+                 step_observers: list[StepObserver], emit: EmitFn) -> StartedModel:
     phases = _Phases(target.name, emit)
     started = time.perf_counter()
     config = target.engine_config
     fetched: FetchedBundle | None = None
-    with phases.phase("fetch") as event:
+    with phases.phase(spans.FETCH) as (event, span):
         if config.runtime_mode == "eager":
             event.detail = "eager: nothing to fetch"
         else:
             fetched = fetcher.fetch(target.spec, target.model, target.compile_config, target.key,
                                     lambda detail: phases.progress("fetch", detail))
             event.detail = f"{fetched.source}, key {fetched.key}"
+            span.set_attributes({spans.CACHE_KEY: fetched.key, spans.SOURCE: fetched.source})
     compiled_range = fetched.max_num_batched_tokens if fetched else target.compile_config.max_num_batched_tokens
     config = config.within_token_range(compiled_range)
     runner = ModelRunner(target.model, config)
 
-    with phases.phase("load_weights") as event:
+    with phases.phase(spans.LOAD_WEIGHTS) as (event, span):
         runner.load_weights(target.weights, target.weights_seed)
         tokenizer = _load_tokenizer(target)
         event.detail = f"{runner.weights_bytes / 1e6:.1f} MB from {target.weights}"
+        span.set_attributes({spans.BYTES: runner.weights_bytes, spans.WEIGHTS: target.weights})
 
-    with phases.phase("profile_memory") as event:
+    with phases.phase(spans.PROFILE_MEMORY) as (event, span):
         activation_peak = runner.profile_memory()
         budget = runner.memory_budget(activation_peak)
         kv_spec = runner.allocate_kv_cache(budget)
         event.detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {runner.num_blocks}"
+        span.set_attributes({spans.ACTIVATION_PEAK_BYTES: activation_peak, spans.NUM_KV_BLOCKS: runner.num_blocks,
+                             spans.KV_CACHE_BYTES: runner.num_blocks * kv_spec.block_bytes})
 
-    with phases.phase("load_compiled") as event:
+    with phases.phase(spans.LOAD_COMPILED) as (event, span):
         if fetched is None:
             event.detail = "eager: the uncompiled model serves"
         else:
             runner.load_compiled(fetched.path)
             event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
+            span.set_attribute(spans.CACHE_KEY, fetched.key)
 
     cudagraph_bytes = budget.cudagraph_reserve_bytes
-    with phases.phase("capture_cudagraphs") as event:
+    with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
         if config.runtime_mode == "cudagraph":
             seconds = runner.capture_cudagraphs()
             cudagraph_bytes = runner.cudagraphs.captured_bytes
             event.detail = (f"Graph capturing finished in {seconds:.0f} secs, took "
                             f"{cudagraph_bytes / (1 << 30):.2f} GiB")
+            span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes), spans.CAPTURE_SECONDS: seconds,
+                                 spans.BYTES: cudagraph_bytes})
         else:
             event.detail = f"skipped: runtime mode {config.runtime_mode}"
 

@@ -91,6 +91,20 @@ def otel_env(endpoint: str, **extra: str) -> dict:
     return {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100", **extra}
 
 
+def client_tracer(endpoint: str):
+    """The test's own client: a provider of its own (not the global one) exporting each span as it ends.
+
+    Returns (provider, tracer); pass the provider to instrumented channels so their client spans use it too."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "kiln-test-client"}))
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
+    return provider, provider.get_tracer("tests")
+
+
 @pytest.fixture(scope="session")
 def traced_compile_server(otlp_receiver, tmp_path_factory):
     """``kiln compile-server`` as a child process with tracing to the session's receiver, and its own store."""

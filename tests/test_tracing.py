@@ -14,12 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import TINY_CONFIG, TINY_MODEL, otel_env
+from conftest import TINY_CONFIG, TINY_MODEL, client_tracer, otel_env
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -34,13 +32,6 @@ from tracing.forward_stats import ForwardStats, stats_line
 from tracing.grpc_instrumentation import instrumented_aio_channel, instrumented_channel
 
 COMPILE_RPC = "/kiln.v1.CompileService/Compile"
-
-
-def client_tracer(endpoint: str) -> tuple[TracerProvider, object]:
-    """The test's own client: a provider of its own (not the global one) exporting each span as it ends."""
-    provider = TracerProvider(resource=Resource.create({"service.name": "kiln-test-client"}))
-    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
-    return provider, provider.get_tracer("tests")
 
 
 def run_python(code: str, env: dict, timeout: float = 120) -> dict:

@@ -16,7 +16,8 @@ TRACE = "trace"
 SPLIT = "split"
 INDUCTOR = "inductor"
 SAVE = "save"
-# Execute startup phases.
+# Execute startup: LOAD_MODEL is the parent of the phases below it.
+LOAD_MODEL = "load_model"
 FETCH = "fetch"
 LOAD_WEIGHTS = "load_weights"
 PROFILE_MEMORY = "profile_memory"
@@ -46,12 +47,32 @@ STATS_MEDIAN_MS = "kiln.stats.median_ms"
 STATS_P90_MS = "kiln.stats.p90_ms"
 STATS_P99_MS = "kiln.stats.p99_ms"
 STATS_RUNTIME_MODES = "kiln.stats.runtime_modes"
+SOURCE = "kiln.source"  # where fetch found the bundle: local cache, shared store, downloaded
+WEIGHTS = "kiln.weights"  # dummy, or the safetensors directory
+ACTIVATION_PEAK_BYTES = "kiln.activation_peak_bytes"
+NUM_KV_BLOCKS = "kiln.num_kv_blocks"
+KV_CACHE_BYTES = "kiln.kv_cache_bytes"
+CAPTURE_SIZES = "kiln.capture_sizes"
+CAPTURE_SECONDS = "kiln.capture_seconds"
+# Request spans: the Usage a Generate's last message carries, and one PREEMPTION event per preemption.
+TIME_TO_FIRST_TOKEN_S = "kiln.time_to_first_token_s"
+QUEUE_S = "kiln.queue_s"  # arrival to first scheduled
+NUM_PREEMPTIONS = "kiln.num_preemptions"
+PREEMPTION = "kiln.preemption"
+RECOMPUTED_TOKENS = "kiln.recomputed_tokens"  # tokens whose KV a preemption dropped
+CANCELLED = "kiln.cancelled"  # the client went away before the last token
 
-# OpenTelemetry GenAI semantic conventions, for request spans.
+# OpenTelemetry GenAI semantic conventions, for request spans. A Generate takes a raw prompt (no chat template), so
+# its operation is text_completion and its span is named "text_completion {model}", as the conventions name spans.
+TEXT_COMPLETION = "text_completion"
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
+GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"

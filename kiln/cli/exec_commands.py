@@ -84,14 +84,31 @@ def _ints(text: str) -> list[int]:
 
 
 def run_exec_server(args) -> int:
+    from exec_service.request_spans import RequestSpans
     from exec_service.server import DEFAULT_CACHE_DIR, start_exec_server
+    from tracing.batch_size_log import BatchSizeLog, log_batchsize_interval
+    from tracing.forward_spans import ForwardSpans
+    from tracing.forward_stats import ForwardStats
+    from tracing.grpc_instrumentation import server_interceptors
+    from tracing.setup import init_tracing
+
+    telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
+    forward_stats, request_spans = ForwardStats(), RequestSpans()
+    # Each observer only where it has work: with tracing and the interval off, a step pays for neither.
+    observers = [ForwardSpans(request_spans)] if telemetry.enabled else []
+    if log_batchsize_interval() is not None:
+        observers.append(BatchSizeLog(forward_stats))
 
     async def serve():
-        server, _ = await start_exec_server(f"{args.host}:{args.port}", args.compile_server or None, args.store,
-                                            args.cache or DEFAULT_CACHE_DIR)
+        server, _ = await start_exec_server(
+            f"{args.host}:{args.port}", args.compile_server or None, args.store, args.cache or DEFAULT_CACHE_DIR,
+            server_interceptors(), observers, forward_stats, request_spans)
         await server.serve_until_signal()
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        telemetry.shutdown()
     return 0
 
 

@@ -1,0 +1,91 @@
+"""One span per Generate, with the OpenTelemetry GenAI attributes, and the live ones by request id.
+
+ForwardSpans reads the live span contexts (from the engine thread) to parent and link each step's ``forward`` span
+to the requests it served; a request's entry goes when its Generate ends. With tracing off every span is the API's
+no-op one: nothing is registered and no attribute is computed.
+"""
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanContext, Status, StatusCode
+
+from exec_service.sequence import Sequence
+from kiln.errors import first_line
+from protos import exec_pb2
+from tracing import spans
+
+
+class RequestSpans(Mapping[str, SpanContext]):
+    """Request id -> the span context of its Generate, while it runs."""
+
+    def __init__(self, tracer: trace.Tracer | None = None):
+        self._tracer = tracer or spans.tracer
+        self._live: dict[str, SpanContext] = {}
+
+    def __getitem__(self, request_id: str) -> SpanContext:
+        return self._live[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict(self._live))
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @contextmanager
+    def track(self, model: str, seq: Sequence) -> Iterator[trace.Span]:
+        """The request's span, a child of the current one (the Generate server span), for the ``with`` body.
+
+        On exit it takes the outcome from ``seq``: usage, finish reason, an event per preemption; an exception is
+        the span's error, and leaving before the last token (the client went away) sets ``kiln.cancelled``.
+        """
+        span = self._tracer.start_span(f"{spans.TEXT_COMPLETION} {model}", attributes=_request_attributes(model, seq))
+        context = span.get_span_context()
+        if context.is_valid:
+            self._live[seq.request_id] = context
+        failed = False
+        try:
+            yield span
+        except Exception as exc:
+            failed = True
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, first_line(exc)))
+            raise
+        finally:
+            self._live.pop(seq.request_id, None)
+            if span.is_recording():
+                _record_outcome(span, seq, failed)
+            span.end()
+
+
+def _request_attributes(model: str, seq: Sequence) -> dict:
+    params = seq.params
+    attributes = {
+        spans.GEN_AI_OPERATION_NAME: spans.TEXT_COMPLETION, spans.GEN_AI_REQUEST_MODEL: model,
+        spans.GEN_AI_RESPONSE_ID: seq.request_id, spans.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
+        spans.GEN_AI_REQUEST_TEMPERATURE: params.temperature, spans.GEN_AI_REQUEST_TOP_P: params.top_p,
+        spans.GEN_AI_USAGE_INPUT_TOKENS: seq.num_prompt_tokens,
+    }
+    if params.top_k:
+        attributes[spans.GEN_AI_REQUEST_TOP_K] = params.top_k
+    if params.seed is not None:
+        attributes[spans.GEN_AI_REQUEST_SEED] = params.seed
+    return attributes
+
+
+def _record_outcome(span: trace.Span, seq: Sequence, failed: bool) -> None:
+    usage = seq.usage()
+    span.set_attributes({
+        spans.GEN_AI_USAGE_OUTPUT_TOKENS: usage.output_tokens, spans.QUEUE_S: usage.queue_s,
+        spans.NUM_PREEMPTIONS: usage.num_preemptions,
+    })
+    if seq.first_token_s is not None:
+        span.set_attribute(spans.TIME_TO_FIRST_TOKEN_S, usage.time_to_first_token_s)
+    if seq.finish_reason != exec_pb2.FINISH_REASON_UNSPECIFIED:
+        reason = exec_pb2.FinishReason.Name(seq.finish_reason).removeprefix("FINISH_REASON_").lower()
+        span.set_attribute(spans.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
+    elif not failed:
+        span.set_attribute(spans.CANCELLED, True)
+    for time_ns, recomputed in list(seq.preemptions):
+        span.add_event(spans.PREEMPTION, {spans.RECOMPUTED_TOKENS: recomputed}, timestamp=time_ns)
