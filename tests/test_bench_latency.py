@@ -12,7 +12,8 @@ from google.protobuf import json_format
 STATS_LINE = re.compile(r"Batchsize forward time stats \(batchsize, count, median_time\(ms\)\): \[(.*)\]")
 
 
-def test_bench_latency_prints_the_forward_time_line(exec_server, tiny_key):
+def test_bench_latency_prints_the_forward_time_line(exec_server, tiny_loaded):
+    """After the session's first load (tiny_loaded), which the startup-phase test expects to download."""
     config = json.dumps(json_format.MessageToDict(TINY_CONFIG))
     proc = subprocess.run(
         [sys.executable, "-m", "kiln.cli", "bench", "latency", "tiny-llama", "--exec-server", exec_server.address,
@@ -28,7 +29,7 @@ def test_bench_latency_prints_the_forward_time_line(exec_server, tiny_key):
     assert all(ms > 0 for _, _, ms in rows)
 
 
-def test_bench_latency_rejects_a_bad_config(exec_server):
+def test_bench_latency_rejects_a_bad_config(exec_server, tiny_loaded):
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "latency", "tiny-llama", "--exec-server",
                            exec_server.address, "-O", '{"no_such_field": 1}'], capture_output=True, text=True,
                           timeout=120)
