@@ -3,6 +3,7 @@
 import asyncio
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 from compile_service.pipeline import CompileOutcome, compile_model
@@ -10,7 +11,7 @@ from kiln import bundle
 from kiln.artifact_store import FilesystemStore
 from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument, NotFound
-from kiln.grpc_server import Server, status_errors
+from kiln.grpc_server import ProgressEvents, Server, status_errors
 from kiln.model_spec import resolve
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
@@ -29,24 +30,17 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
     async def Compile(self, request, context):
         config = CompileConfig.from_proto(request.config)
         model = resolve(request.model, config.device)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        started = loop.time()
+        events = ProgressEvents()
+        started = time.monotonic()
 
         def progress(phase: str, piece: int, num_pieces: int, size: str) -> None:
-            event = compile_pb2.CompileProgress(phase=phase, piece=piece, num_pieces=num_pieces, size=size,
-                                                elapsed_s=loop.time() - started)
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            events.emit(compile_pb2.CompileProgress(phase=phase, piece=piece, num_pieces=num_pieces, size=size,
+                                                    elapsed_s=time.monotonic() - started))
 
         # to_thread runs the compile in a copy of this context, so its spans are children of this call's server span.
         job = asyncio.ensure_future(asyncio.to_thread(compile_model, model, config, self.store, progress))
-        while not job.done() or not events.empty():
-            getter = asyncio.ensure_future(events.get())
-            await asyncio.wait([getter, job], return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield compile_pb2.CompileEvent(progress=getter.result())
-            else:
-                getter.cancel()
+        async for event in events.until_done(job):
+            yield compile_pb2.CompileEvent(progress=event)
         yield compile_pb2.CompileEvent(result=_result(job.result()))
 
     @status_errors

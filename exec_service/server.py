@@ -22,7 +22,7 @@ from exec_service.startup import LoadTarget, StartedModel, start_model
 from kiln import bundle
 from kiln.artifact_store import FilesystemStore
 from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, first_line
-from kiln.grpc_server import CHANNEL_OPTIONS, Server, status_errors
+from kiln.grpc_server import CHANNEL_OPTIONS, ProgressEvents, Server, status_errors
 from protos import exec_pb2, exec_pb2_grpc
 from tracing.forward_stats import ForwardStats
 from tracing.grpc_instrumentation import instrumented_channel
@@ -56,22 +56,12 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
                                 f"choose another name")
         served = self.models[target.name] = ServedModel(target.name)
         await self.server.set_serving(health_name(target.name), False)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[exec_pb2.StartupPhase] = asyncio.Queue()
-
-        def emit(phase: exec_pb2.StartupPhase) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, phase)
-
+        progress = ProgressEvents()
         # A task of its own: the load completes (or fails) and updates the model even if this client goes away. Task
         # and thread run in copies of this context, so the startup spans are children of this call's server span.
-        load = asyncio.ensure_future(self._load(served, target, emit))
-        while not load.done() or not events.empty():
-            getter = asyncio.ensure_future(events.get())
-            await asyncio.wait([getter, load], return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield exec_pb2.LoadModelEvent(phase=getter.result())
-            else:
-                getter.cancel()
+        load = asyncio.ensure_future(self._load(served, target, progress.emit))
+        async for phase in progress.until_done(load):
+            yield exec_pb2.LoadModelEvent(phase=phase)
         yield exec_pb2.LoadModelEvent(ready=load.result().sizing)
 
     async def _load(self, served: ServedModel, target: LoadTarget, emit) -> StartedModel:

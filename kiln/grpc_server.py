@@ -58,6 +58,31 @@ def status_errors(method):
     return unary
 
 
+class ProgressEvents:
+    """Progress that work in a worker thread emits, streamed from the event loop until the work is done.
+
+    Compile and LoadModel both run torch in a thread and stream its phases to the client as they happen.
+    """
+
+    def __init__(self):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def emit(self, event) -> None:
+        """Thread-safe: called from the worker."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def until_done(self, job: asyncio.Future):
+        """Yield events as they arrive, until ``job`` is done and every event it emitted has been yielded."""
+        while not job.done() or not self._queue.empty():
+            getter = asyncio.ensure_future(self._queue.get())
+            await asyncio.wait([getter, job], return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+            else:
+                getter.cancel()
+
+
 class Server:
     """A grpc.aio server with the standard health service and server reflection."""
 
