@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from kiln.cli.bench_commands import decode_batch
 from kiln.cli.service_process import LocalServices, child_environment
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
@@ -53,28 +54,16 @@ class Measured:
     spans_median_ms: dict[int, float] = field(default_factory=dict)
 
 
-async def decode_batch(stub, prompts: list[list[int]], output_len: int) -> float:
-    """Seconds until every prompt of the batch has its output_len tokens."""
-    async def one(prompt):
-        async for _ in stub.Generate(exec_pb2.GenerateRequest(model=MODEL, prompt_ids=prompt, max_tokens=output_len,
-                                                               temperature=0.0, ignore_eos=True)):
-            pass
-
-    started = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
-    return time.perf_counter() - started
-
-
 async def measure(stub, args, vocab_size: int) -> dict[int, Measured]:
     results = {}
     for batch_size in args.batch_sizes:
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(vocab_size) for _ in range(args.input_len)] for _ in range(batch_size)]
         for _ in range(args.num_iters_warmup):
-            await decode_batch(stub, prompts, args.output_len)
+            await decode_batch(stub, MODEL, prompts, args.output_len)
         await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=MODEL, reset=True))
         start_ns = time.time_ns()
-        latencies = [await decode_batch(stub, prompts, args.output_len) for _ in range(args.num_iters)]
+        latencies = [await decode_batch(stub, MODEL, prompts, args.output_len) for _ in range(args.num_iters)]
         end_ns = time.time_ns()
         stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=MODEL))).stats
         latency = statistics.mean(latencies)

@@ -122,3 +122,13 @@ class Server:
         await stop.wait()
         log.info("shutting down")
         await self.stop()
+
+
+def serve_until_signal(start) -> None:
+    """Run ``start()`` (a coroutine returning (Server, port)) and serve until SIGINT/SIGTERM: the CLI's servers."""
+
+    async def serve():
+        server, _ = await start()
+        await server.serve_until_signal()
+
+    asyncio.run(serve())

@@ -100,9 +100,9 @@ async def _bench(address: str, args, config: common_pb2.CompileConfig) -> None:
         prompts = [[rng.randrange(sizing.vocab_size) for _ in range(args.input_len)] for _ in range(args.batch_size)]
         try:
             for _ in range(args.num_iters_warmup):
-                await _batch(stub, name, prompts, args.output_len)
+                await decode_batch(stub, name, prompts, args.output_len)
             await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=name, reset=True))
-            latencies = [await _batch(stub, name, prompts, args.output_len) for _ in range(args.num_iters)]
+            latencies = [await decode_batch(stub, name, prompts, args.output_len) for _ in range(args.num_iters)]
             stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=name))).stats
         finally:
             await stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
@@ -113,7 +113,9 @@ async def _bench(address: str, args, config: common_pb2.CompileConfig) -> None:
     print(stats_line(stats))
 
 
-async def _batch(stub, name: str, prompts: list[list[int]], output_len: int) -> float:
+async def decode_batch(stub, name: str, prompts: list[list[int]], output_len: int) -> float:
+    """Seconds until every prompt of the batch has its output_len tokens (greedy, ignore_eos)."""
+
     async def one(prompt):
         async for _ in stub.Generate(exec_pb2.GenerateRequest(model=name, prompt_ids=prompt, max_tokens=output_len,
                                                                temperature=0.0, ignore_eos=True)):

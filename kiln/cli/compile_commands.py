@@ -1,13 +1,12 @@
 """``kiln compile-server``, ``kiln compile`` and ``kiln artifacts list|rm``."""
 
-import asyncio
 import os
 from pathlib import Path
 
 import grpc
 
 from kiln.cli.output import Printer, report_rpc_error
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.grpc_server import CHANNEL_OPTIONS, serve_until_signal
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
 DEFAULT_STORE = os.environ.get("KILN_STORE", str(Path.home() / ".cache" / "kiln" / "store"))
@@ -70,12 +69,8 @@ def run_compile_server(args) -> int:
 
     telemetry = init_tracing("kiln-compile")
 
-    async def serve():
-        server, _ = await start_compile_server(args.store, f"{args.host}:{args.port}", server_interceptors())
-        await server.serve_until_signal()
-
     try:
-        asyncio.run(serve())
+        serve_until_signal(lambda: start_compile_server(args.store, f"{args.host}:{args.port}", server_interceptors()))
     finally:
         telemetry.shutdown()
     return 0

@@ -1,13 +1,12 @@
 """``kiln exec-server``, ``kiln load``, ``kiln generate``, ``kiln models``, ``kiln unload`` and ``kiln stats``."""
 
-import asyncio
 import sys
 
 import grpc
 
 from kiln.cli.compile_commands import add_compile_config_args, compile_config, model_spec
 from kiln.cli.output import Printer, report_rpc_error
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.grpc_server import CHANNEL_OPTIONS, serve_until_signal
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
 RUNTIME_MODES = {"eager": exec_pb2.RUNTIME_MODE_EAGER, "compiled": exec_pb2.RUNTIME_MODE_COMPILED,
@@ -99,14 +98,10 @@ def run_exec_server(args) -> int:
     if log_batchsize_interval() is not None:
         observers.append(BatchSizeLog(forward_stats))
 
-    async def serve():
-        server, _ = await start_exec_server(
-            f"{args.host}:{args.port}", args.compile_server or None, args.store, args.cache or DEFAULT_CACHE_DIR,
-            server_interceptors(), observers, forward_stats, request_spans)
-        await server.serve_until_signal()
-
     try:
-        asyncio.run(serve())
+        serve_until_signal(lambda: start_exec_server(
+            f"{args.host}:{args.port}", args.compile_server or None, args.store, args.cache or DEFAULT_CACHE_DIR,
+            server_interceptors(), observers, forward_stats, request_spans))
     finally:
         telemetry.shutdown()
     return 0
