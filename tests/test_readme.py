@@ -41,13 +41,24 @@ def test_readme_opens_with_the_demo_then_the_ci_command():
     assert tests == " && ".join(ci_commands())
 
 
+def _commands(subparsers) -> list[argparse.ArgumentParser]:
+    """Every (sub)command parser, nested ones (``kiln bench latency``) included."""
+    out = []
+    for command in subparsers.choices.values():
+        out.append(command)
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                out += _commands(action)
+    return out
+
+
 def test_every_cli_flag_is_in_the_configuration_table():
     parser = argparse.ArgumentParser()
     subparsers = parser.add_subparsers()
     for module in COMMAND_MODULES:
         module.register(subparsers)
     table = configuration_table()
-    flags = {flag for command in subparsers.choices.values() for action in command._actions
+    flags = {flag for command in _commands(subparsers) for action in command._actions
              for flag in action.option_strings if flag.startswith("--") and flag != "--help"}
     assert len(flags) > 30
     missing = sorted(flag for flag in flags if f"`{flag}`" not in table)
