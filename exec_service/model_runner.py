@@ -24,7 +24,7 @@ from exec_service.step_inputs import StepInputs, prepare
 from kiln import bundle
 from kiln.counters import expect_no_compile
 from kiln.errors import FailedPrecondition, first_line
-from kiln.forward_context import ForwardContext, forward_context
+from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.model import TokenModel, build_model, weights_bytes
 from kiln.model_spec import ResolvedModel
 
@@ -118,6 +118,24 @@ class ModelRunner:
             for tokens in sorted({min(2, self.config.max_num_batched_tokens), self.config.max_num_batched_tokens}):
                 self.compiled(self.model, torch.zeros(tokens, dtype=torch.int64, device=self.device),
                               torch.arange(tokens, device=self.device))
+            self._warm_up_paged_attention()
+
+    def _warm_up_paged_attention(self) -> None:
+        """A two-token prefill, then one decode step, of one sequence through the paged KV cache: the attention
+        kernels are built here (Triton's JIT, 0.7 s on an H200), not in a request's first step. The sequence sits
+        in the first blocks, which hold nothing yet; every real token's KV is written before it is read."""
+        blocks = -(-3 // self.config.block_size)
+        if self.num_blocks < blocks:
+            return
+        table = torch.arange(blocks, dtype=torch.int32, device=self.device)[None, :]
+        for start, end in ((0, 2), (2, 3)):
+            positions = torch.arange(start, end, device=self.device)
+            metadata = AttentionMetadata(
+                slot_mapping=positions, query_start_loc=torch.tensor([0, end - start], dtype=torch.int32,
+                                                                     device=self.device),
+                seq_lens=torch.tensor([end], dtype=torch.int32, device=self.device), block_tables=table,
+                max_query_len=end - start, max_seq_len=end, num_seqs=1)
+            self._forward(StepInputs(torch.zeros_like(positions), positions, metadata, positions[-1:]))
 
     def capture_cudagraphs(self) -> float:
         self.cudagraphs = CUDAGraphs(self._compiled_forward, self.config.capture_sizes, self.config.max_blocks_per_seq,
