@@ -199,6 +199,7 @@ def test_init_tracing_exports_forward_spans_and_the_histogram(otlp_receiver):
         observer = ForwardSpans()
         for _ in range(5):
             observer(Step())
+        observer.flush()
         telemetry.shutdown()
         print(json.dumps({"enabled": telemetry.enabled}))
     """, otel_env(otlp_receiver.endpoint, OTEL_SERVICE_NAME="exec-renamed"))
@@ -256,6 +257,7 @@ def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
     records = steps(3, ["b", "a", "gone"])
     for record in records:
         observer(record)
+    assert observer.flush()
 
     forward = [s for s in out.get_finished_spans() if s.name == spans.FORWARD]
     assert len(forward) == 3
@@ -271,7 +273,9 @@ def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
 
 def test_forward_span_of_no_known_request_is_a_root(sdk):
     tracer, meter, out, _ = sdk
-    ForwardSpans({}, ratio=1.0, tracer=tracer, meter=meter)(steps(1, ["unknown"])[0])
+    observer = ForwardSpans({}, ratio=1.0, tracer=tracer, meter=meter)
+    observer(steps(1, ["unknown"])[0])
+    assert observer.flush()
     (span,) = out.get_finished_spans()
     assert span.parent is None and not span.links
 
@@ -281,8 +285,11 @@ def test_forward_spans_take_the_engines_step_record(sdk):
     request = tracer.start_span("generate r1")
     record = StepRecord(model="tiny-llama", batch_size=1, num_tokens=1, padded_size=1, runtime_mode="compiled",
                         phase="decode", start_ns=1_000, end_ns=2_000_000, request_ids=("r1",))
-    ForwardSpans({"r1": request.get_span_context()}, ratio=1.0, tracer=tracer, meter=meter)(record)
-    (span,) = out.get_finished_spans()
+    observer = ForwardSpans({"r1": request.get_span_context()}, ratio=1.0, tracer=tracer, meter=meter)
+    observer(record)
+    request.end()  # a request that ends before the writer thread makes the span keeps its link
+    assert observer.flush()
+    (span,) = [s for s in out.get_finished_spans() if s.name == spans.FORWARD]
     assert (span.start_time, span.end_time, span.attributes[spans.PHASE]) == (1_000, 2_000_000, "decode")
     assert [link.context for link in span.links] == [request.get_span_context()]
 
@@ -292,10 +299,10 @@ def test_ratio_thins_spans_but_not_the_histogram(sdk):
     none, quarter = (ForwardSpans(ratio=r, tracer=tracer, meter=meter) for r in (0.0, 0.25))
     for record in steps(8, []):
         none(record)
-    assert out.get_finished_spans() == ()
+    assert none.flush() and out.get_finished_spans() == ()
     for record in steps(8, []):
         quarter(record)
-    assert len(out.get_finished_spans()) == 2  # every 4th step
+    assert quarter.flush() and len(out.get_finished_spans()) == 2  # every 4th step
 
     (metric,) = [m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
                  for m in sm.metrics if m.name == FORWARD_DURATION]

@@ -94,7 +94,8 @@ def run_exec_server(args) -> int:
     telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
     forward_stats, request_spans = ForwardStats(), RequestSpans()
     # Each observer only where it has work: with tracing and the interval off, a step pays for neither.
-    observers = [ForwardSpans(request_spans)] if telemetry.enabled else []
+    forward_spans = ForwardSpans(request_spans) if telemetry.enabled else None
+    observers = [forward_spans] if forward_spans else []
     if log_batchsize_interval() is not None:
         observers.append(BatchSizeLog(forward_stats))
 
@@ -103,6 +104,8 @@ def run_exec_server(args) -> int:
             f"{args.host}:{args.port}", args.compile_server or None, args.store, args.cache or DEFAULT_CACHE_DIR,
             server_interceptors(), observers, forward_stats, request_spans))
     finally:
+        if forward_spans:
+            forward_spans.flush()  # the last steps' spans, before the exporter's final flush
         telemetry.shutdown()
     return 0
 
