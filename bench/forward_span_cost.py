@@ -1,0 +1,76 @@
+"""What forward spans add to an engine step's host time, without a GPU.
+
+A loop stands in for the engine thread: each step waits --device-ms with the GIL released (as the host does while
+the device runs the forward), then runs --host-us of Python (the step's own host work), then calls the real
+ForwardSpans observer with a StepRecord serving --batch-size requests (one link each). Spans go through the real
+SDK's batch processor and OTLP exporter to a real receiver (tests/otlp_receiver.py) on loopback.
+
+usage: python bench/forward_span_cost.py [--batch-size 32] [--steps 400]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from exec_service.step_record import StepRecord
+from tracing.forward_spans import ForwardSpans
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from otlp_receiver import OtlpReceiver  # noqa: E402 - the tests' receiver, not an installed module
+
+
+def host_work(iterations: int) -> int:
+    total = 0
+    for i in range(iterations):
+        total += i * i
+    return total
+
+
+def per_step_us(observer, steps: int, device_s: float, work: int, request_ids: tuple[str, ...]) -> float:
+    started = time.perf_counter()
+    for _ in range(steps):
+        time.sleep(device_s)
+        host_work(work)
+        if observer is not None:
+            now = time.time_ns()
+            observer(StepRecord(model="bench", batch_size=len(request_ids), num_tokens=len(request_ids),
+                                padded_size=len(request_ids), runtime_mode="cudagraph", phase="decode",
+                                start_ns=now - int(device_s * 1e9), end_ns=now, request_ids=request_ids))
+    return (time.perf_counter() - started) / steps * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--device-ms", type=float, default=5.0)
+    p.add_argument("--host-work", type=int, default=3000, help="loop iterations of Python per step (~0.3 ms)")
+    args = p.parse_args()
+    receiver = OtlpReceiver()
+    receiver.start()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)))
+    tracer = provider.get_tracer("bench")
+    requests = {f"r{i}": tracer.start_span(f"request {i}").get_span_context() for i in range(args.batch_size)}
+    observer = ForwardSpans(requests, ratio=1.0, tracer=tracer)
+    ids = tuple(requests)
+    off = per_step_us(None, args.steps, args.device_ms / 1e3, args.host_work, ids)
+    on = per_step_us(observer, args.steps, args.device_ms / 1e3, args.host_work, ids)
+    observer.flush()
+    provider.shutdown()
+    receiver.stop()
+    print(f"\n{args.steps} steps, {args.device_ms} ms device wait, batch {args.batch_size} "
+          f"({time.strftime('%Y-%m-%d')})")
+    print("| forward spans | µs per step | added µs | added % |")
+    print("|---|---|---|---|")
+    print(f"| off | {off:.0f} | - | - |")
+    print(f"| on, ratio 1.0 | {on:.0f} | {on - off:.0f} | {(on - off) / off * 100:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
