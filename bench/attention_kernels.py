@@ -33,7 +33,6 @@ def make_step(seq_lens: list[int], query_lens: list[int]):
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
         block_tables=block_tables,
         max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
         num_seqs=len(seq_lens),
     )
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")

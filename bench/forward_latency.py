@@ -65,7 +65,7 @@ def decode_metadata(bs: int, context: int, max_blocks: int) -> AttentionMetadata
     return AttentionMetadata(
         slot_mapping=slot, query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device="cuda"),
         seq_lens=torch.full((bs,), context + 1, dtype=torch.int32, device="cuda"), block_tables=tables,
-        max_query_len=1, max_seq_len=context + 1, num_seqs=bs)
+        max_query_len=1, num_seqs=bs)
 
 
 class GraphedInputs:
@@ -102,7 +102,7 @@ def main() -> None:
     def compiled_forward(ids, pos):
         return compiled(model, ids, pos)
 
-    graphs = {name: CUDAGraphs(fn, tuple(sizes), max_blocks, args.context + 1, config.hidden_size, resolved.dtype,
+    graphs = {name: CUDAGraphs(fn, tuple(sizes), max_blocks, config.hidden_size, resolved.dtype,
                                torch.device("cuda"))
               for name, fn in (("kiln", compiled_forward), ("eager+graph", model))}
     for name, g in graphs.items():

@@ -15,7 +15,7 @@ import torch
 
 from compile_service.piecewise_backend import PiecewiseBackend
 from kiln import bundle, cache_key
-from kiln.artifact_store import FilesystemStore
+from kiln.artifact_store import ArtifactStore
 from kiln.compile_config import CompileConfig
 from kiln.errors import Internal, first_line
 from kiln.model import build_model
@@ -42,7 +42,7 @@ class CompileOutcome:
     total_s: float = 0.0
 
 
-def compile_model(model: ResolvedModel, config: CompileConfig, store: FilesystemStore,
+def compile_model(model: ResolvedModel, config: CompileConfig, store: ArtifactStore,
                   progress: ProgressFn = lambda *a: None) -> CompileOutcome:
     with spans.phase_span(spans.COMPILE, model=model.name) as span:
         outcome = _compile_or_hit(model, config, store, progress)
@@ -51,7 +51,7 @@ def compile_model(model: ResolvedModel, config: CompileConfig, store: Filesystem
         return outcome
 
 
-def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: FilesystemStore,
+def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: ArtifactStore,
                     progress: ProgressFn) -> CompileOutcome:
     start = time.perf_counter()
     factors = cache_key.key_factors(model, config)

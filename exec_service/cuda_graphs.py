@@ -22,11 +22,10 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids [T]
 
 
 class CUDAGraphs:
-    def __init__(self, forward: Forward, capture_sizes: tuple[int, ...], max_blocks_per_seq: int, max_model_len: int,
+    def __init__(self, forward: Forward, capture_sizes: tuple[int, ...], max_blocks_per_seq: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device):
         self.forward = forward
         self.capture_sizes = tuple(sorted(capture_sizes))
-        self.max_model_len = max_model_len
         max_bs = self.capture_sizes[-1]
         # The static buffers every graph reads and writes; each size uses their first rows.
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -44,7 +43,7 @@ class CUDAGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1,
-            max_seq_len=self.max_model_len, num_seqs=size)
+            num_seqs=size)
 
     def capture(self, kv_caches: list[torch.Tensor]) -> float:
         """Capture every size, largest first so the smaller graphs fit in the pool the largest allocated.

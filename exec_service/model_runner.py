@@ -134,13 +134,12 @@ class ModelRunner:
                 slot_mapping=positions, query_start_loc=torch.tensor([0, end - start], dtype=torch.int32,
                                                                      device=self.device),
                 seq_lens=torch.tensor([end], dtype=torch.int32, device=self.device), block_tables=table,
-                max_query_len=end - start, max_seq_len=end, num_seqs=1)
+                max_query_len=end - start, num_seqs=1)
             self._forward(StepInputs(torch.zeros_like(positions), positions, metadata, positions[-1:]))
 
     def capture_cudagraphs(self) -> float:
         self.cudagraphs = CUDAGraphs(self._compiled_forward, self.config.capture_sizes, self.config.max_blocks_per_seq,
-                                     self.config.max_model_len, self.resolved.config.hidden_size, self.resolved.dtype,
-                                     torch.device(self.device))
+                                     self.resolved.config.hidden_size, self.resolved.dtype, torch.device(self.device))
         with torch.no_grad(), expect_no_compile("CUDA-graph capture"):
             return self.cudagraphs.capture(self.kv_caches)
 

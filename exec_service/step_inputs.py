@@ -46,7 +46,6 @@ def prepare(batch: ScheduledBatch, block_size: int, device: str) -> StepInputs:
         seq_lens=tensor(seq_lens, torch.int32),
         block_tables=tensor(block_tables, torch.int32),
         max_query_len=max(e.num_new_tokens for e in batch.entries),
-        max_seq_len=max(seq_lens),
         num_seqs=batch.num_seqs,
     )
     return StepInputs(tensor(input_ids, torch.int64), tensor(positions, torch.int64), metadata,

@@ -2,7 +2,7 @@
 
 Writes are atomic (a staging directory renamed into place); a bundle that fails its sha256 check is removed and
 reported missing, so it is recompiled, never served. Another backend (object store, Redis) is one more class
-with these five methods.
+with the methods of ArtifactStore.
 """
 
 import fcntl
@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -31,9 +31,13 @@ class StoredArtifact:
 
 
 class ArtifactStore(Protocol):
+    """What the compile pipeline and the bundle fetcher need of a store."""
+
+    def lock(self, key: str) -> AbstractContextManager[None]: ...
     def get(self, key: str) -> Path | None: ...
-    def commit(self, key: str, staged: Path) -> Path: ...
     def staging_dir(self) -> Path: ...
+    def commit(self, key: str, staged: Path) -> Path: ...
+    def discard(self, staged: Path) -> None: ...
     def list(self) -> list[StoredArtifact]: ...
     def delete(self, key: str) -> int: ...
 

@@ -25,7 +25,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
-    max_seq_len: int
     num_seqs: int  # real sequences; rows past it are CUDA-graph padding
 
     @property

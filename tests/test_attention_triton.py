@@ -69,7 +69,6 @@ def make_case(
         seq_lens=torch.tensor(list(seq_lens) + [0] * padding_rows, dtype=torch.int32, device=device),
         block_tables=block_tables.to(device),
         max_query_len=max(all_query_lens),
-        max_seq_len=max(seq_lens),
         num_seqs=len(seq_lens),
     )
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)

@@ -79,6 +79,9 @@ class ForwardSpans:
         try:
             self._pending.put_nowait((step, served))
         except queue.Full:
+            if not self.dropped:
+                log.warning("forward spans: the writer is %d steps behind; dropping steps until it catches up",
+                            PENDING_LIMIT)
             self.dropped += 1
 
     def flush(self, timeout: float = 5.0) -> bool:
