@@ -15,7 +15,7 @@ import torch
 from exec_service.block_manager import BlockManager
 from exec_service.engine_config import EngineConfig
 from exec_service.model_runner import ModelRunner
-from exec_service.outputs import RequestOutput, RequestStream
+from exec_service.outputs import RequestOutput, RequestStream, deliver
 from exec_service.sampler import Sampler
 from exec_service.scheduler import ScheduledBatch, Scheduler
 from exec_service.sequence import Sequence
@@ -145,12 +145,17 @@ class Engine:
         # forward span links to it.
         self._observe(batch, out.runtime_mode, out.padded_size, out.timer.start_ns, out.timer.elapsed_ms())
         self.scheduler.postprocess(batch, token_ids)
+        outputs = []
         for entry, token_id in zip(sampling, token_ids, strict=True):
             seq = entry.seq
             if seq.is_finished:
-                self._end(seq, RequestOutput([token_id], seq.finish_reason, seq.usage()))
-            elif seq.request_id in self._streams:
-                self._streams[seq.request_id].put(RequestOutput([token_id]))
+                stream, output = self._streams.pop(seq.request_id, None), RequestOutput(
+                    [token_id], seq.finish_reason, seq.usage())
+            else:
+                stream, output = self._streams.get(seq.request_id), RequestOutput([token_id])
+            if stream is not None:
+                outputs.append((stream, output))
+        deliver(outputs)
 
     def _end(self, seq: Sequence, output: RequestOutput) -> None:
         stream = self._streams.pop(seq.request_id, None)

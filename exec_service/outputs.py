@@ -1,6 +1,7 @@
-"""How tokens get from the engine thread to a Generate handler: outputs pushed onto the handler's asyncio queue."""
+"""How tokens get from the engine thread to a Generate handler: one event-loop wake-up per step, not per request."""
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -21,21 +22,46 @@ class RequestOutput:
 
 
 class RequestStream:
-    """Written by the engine thread (``put``), read by one Generate handler on the event loop (``async for``)."""
+    """Written by the engine thread (``put``, ``deliver``), read by one Generate handler on the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._pending: deque[RequestOutput] = deque()  # touched on the event loop only
+        self._ready = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
+        deliver([(self, output)])
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Outputs in order; those already pending when the handler gets to them go out as one (a handler that
+        fell behind a busy engine catches up in one message, not one per token)."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._pending:
+                output = self._pending.popleft()
+                while not output.is_last and self._pending and self._pending[0].error is None:
+                    following = self._pending.popleft()
+                    output = RequestOutput(output.token_ids + following.token_ids, following.finish_reason,
+                                           following.usage)
+                yield output
+                if output.is_last:
+                    return
+
+
+def deliver(outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Hand a step's outputs to their handlers with one wake-up of each event loop, not one per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+    for stream, output in outputs:
+        by_loop.setdefault(stream._loop, []).append((stream, output))
+    for loop, batch in by_loop.items():
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+            loop.call_soon_threadsafe(_enqueue, batch)
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            output = await self._queue.get()
-            yield output
-            if output.is_last:
-                return
+
+def _enqueue(outputs: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in outputs:
+        stream._pending.append(output)
+        stream._ready.set()
