@@ -45,10 +45,12 @@ class CUDAGraphs:
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1,
             num_seqs=size)
 
-    def capture(self, kv_caches: list[torch.Tensor]) -> float:
+    def capture(self, kv_caches: list[torch.Tensor], on_captured: Callable[[int, int], None] = lambda *_: None
+                ) -> float:
         """Capture every size, largest first so the smaller graphs fit in the pool the largest allocated.
 
-        Returns the seconds it took; ``captured_bytes`` is the device memory the graphs hold.
+        ``on_captured(size, done)`` reports progress after each size. Returns the seconds it took;
+        ``captured_bytes`` is the device memory the graphs hold.
         """
         start = time.perf_counter()
         torch.cuda.synchronize()
@@ -63,6 +65,7 @@ class CUDAGraphs:
                 self.pool = graph.pool()
             self.graphs[size] = graph
             torch.cuda.synchronize()
+            on_captured(size, len(self.graphs))
         free_after, _ = torch.cuda.mem_get_info()
         self.captured_bytes = max(0, free_before - free_after)
         seconds = time.perf_counter() - start

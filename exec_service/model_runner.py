@@ -8,6 +8,7 @@ Inductor: ``expect_no_compile`` raises if the counters move.
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,11 +138,11 @@ class ModelRunner:
                 max_query_len=end - start, num_seqs=1)
             self._forward(StepInputs(torch.zeros_like(positions), positions, metadata, positions[-1:]))
 
-    def capture_cudagraphs(self) -> float:
+    def capture_cudagraphs(self, on_captured: Callable[[int, int], None]) -> float:
         self.cudagraphs = CUDAGraphs(self._compiled_forward, self.config.capture_sizes, self.config.max_blocks_per_seq,
                                      self.resolved.config.hidden_size, self.resolved.dtype, torch.device(self.device))
         with torch.no_grad(), expect_no_compile("CUDA-graph capture"):
-            return self.cudagraphs.capture(self.kv_caches)
+            return self.cudagraphs.capture(self.kv_caches, on_captured)
 
     def _compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.compiled(self.model, input_ids, positions)

@@ -135,7 +135,12 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: Forw
     cudagraph_bytes = budget.cudagraph_reserve_bytes
     with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
         if config.runtime_mode == "cudagraph":
-            seconds = runner.capture_cudagraphs()
+            def captured(size: int, done: int) -> None:
+                total = len(config.capture_sizes)
+                phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured batch size {size} ({done}/{total})")
+                span.add_event("captured", {spans.BATCH_SIZE: size})
+
+            seconds = runner.capture_cudagraphs(captured)
             cudagraph_bytes = runner.cudagraphs.captured_bytes
             event.detail = (f"Graph capturing finished in {seconds:.0f} secs, took "
                             f"{cudagraph_bytes / (1 << 30):.2f} GiB")

@@ -50,6 +50,8 @@ def _kiln_tokens(stub, name: str, dtype: str, mode) -> list[list[int]]:
         capture_sizes=[1, 2, 4, 8] if mode == exec_pb2.RUNTIME_MODE_CUDAGRAPH else [])
     events = list(stub.LoadModel(request))
     assert events[-1].ready.runtime_mode == exec_pb2.RuntimeMode.Name(mode).removeprefix("RUNTIME_MODE_").lower()
+    captured = [e.phase.detail for e in events if e.phase.progress and e.phase.phase == "capture_cudagraphs"]
+    assert len(captured) == (4 if mode == exec_pb2.RUNTIME_MODE_CUDAGRAPH else 0)  # progress per captured size
 
     def generate(prompt):
         return [t for r in stub.Generate(exec_pb2.GenerateRequest(
