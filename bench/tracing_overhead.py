@@ -6,7 +6,9 @@ greedy, ignore_eos) through the real gRPC servers, started as `LocalServices` ch
 1. tracing off: the services get no OTEL_* variables;
 2. tracing on: OTLP to a receiver in this process (tests/otlp_receiver.py, the protocol Jaeger ingests),
    KILN_FORWARD_SPAN_RATIO=1.0, so every step is a span;
-3. the same execute service after that receiver is stopped: every export fails, and serving must not slow down.
+3. the same execute service after that receiver is stopped: every export fails, and serving must not slow down;
+4. for each of --other-ratios, tracing on with that KILN_FORWARD_SPAN_RATIO (0 leaves request and gRPC spans only,
+   which tells the forward spans' share of the cost from the rest).
 
 For each batch size: output tokens/s (batch x output_len / mean batch latency) against run 1; in run 2, the forward
 spans of the timed batches against GetForwardStats (CUDA events on GPU): the same count per batch size, and medians
@@ -89,10 +91,10 @@ async def load(stub, args) -> int:
     raise RuntimeError("LoadModel ended before the model was ready")
 
 
-def services_env(endpoint: str | None) -> dict:
+def services_env(endpoint: str | None, ratio: float = 1.0) -> dict:
     env = {k: v for k, v in child_environment().items() if not k.startswith(("OTEL_", "KILN_FORWARD_SPAN_RATIO"))}
     if endpoint:
-        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, KILN_FORWARD_SPAN_RATIO="1.0")
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, KILN_FORWARD_SPAN_RATIO=str(ratio))
     return env
 
 
@@ -138,8 +140,10 @@ def check_spans(receiver: OtlpReceiver, measured: dict[int, Measured]) -> None:
                 m.spans_median_ms[b] = statistics.median(durations)
 
 
-def table(args, off, on, stopped) -> tuple[str, bool]:
-    """The markdown table, and whether forward spans agreed with the engine's times everywhere."""
+def table(args, off, on, others) -> tuple[str, bool]:
+    """The markdown table, and whether forward spans agreed with the engine's times everywhere.
+
+    ``others`` are (label, results) rows measured after ``on`` (the stopped receiver, other ratios)."""
     agreed = True
     lines = [f"{args.preset} on {args.device}, input {args.input_len}, output {args.output_len}, "
              f"{args.num_iters} timed batches each, {time.strftime('%Y-%m-%d')}", "",
@@ -147,7 +151,8 @@ def table(args, off, on, stopped) -> tuple[str, bool]:
              "| engine median ms | span vs engine |", "|---|---|---|---|---|---|---|---|"]
     for b in args.batch_sizes:
         base = off[b].tokens_per_s
-        for label, m in (("off", off[b]), ("on, ratio 1.0", on[b]), ("on, receiver stopped", stopped[b])):
+        rows = [("off", off[b]), ("on, ratio 1.0", on[b])] + [(label, results[b]) for label, results in others]
+        for label, m in rows:
             engine = next((s for s in m.stats if s.batch_size == b), None)
             vs = "-" if m is off[b] else f"{(m.tokens_per_s - base) / base * 100:+.1f}%"
             steps = sum(s.count for s in m.stats)
@@ -178,8 +183,10 @@ def main() -> int:
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--store", type=Path, default=None, help="artifact store to reuse (default: a fresh one)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--other-ratios", default="", help="more KILN_FORWARD_SPAN_RATIO values to measure, e.g. 0,0.1")
     args = p.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    other_ratios = [float(r) for r in args.other_ratios.split(",") if r]
     with tempfile.TemporaryDirectory(prefix="kiln-tracing-bench-") as tmp:
         tmp = Path(tmp)
         store = args.store or tmp / "store"
@@ -195,12 +202,20 @@ def main() -> int:
             receiver.stop()
 
         try:
+            others = []
+            for ratio in other_ratios:
+                (tmp / f"ratio-{ratio}").mkdir()
+                label = f"on, ratio {ratio:g}"
+                (results,) = asyncio.run(run_services(tmp / f"ratio-{ratio}", store,
+                                                      services_env(receiver.endpoint, ratio), args,
+                                                      [(f"tracing {label}", lambda results: None)]))
+                others.append((label, results))
             on, stopped = asyncio.run(run_services(
                 tmp / "on", store, services_env(receiver.endpoint), args,
                 [("tracing on (ratio 1.0)", lambda results: None), ("tracing on, receiver stopped", stop_receiver)]))
         finally:
             receiver.stop()
-    text, agreed = table(args, off, on, stopped)
+    text, agreed = table(args, off, on, [("on, receiver stopped", stopped), *others])
     print()
     print(text)
     return 0 if agreed else 1

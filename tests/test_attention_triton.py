@@ -201,7 +201,7 @@ def test_decode_cuda_graph_replay():
         for tensor in (q, k, v):
             tensor.copy_(torch.randn_like(tensor))
         ref_meta = AttentionMetadata(
-            meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, 1, max(seq_lens), num_seqs
+            meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, 1, num_seqs
         )
         ref_cache = kv_cache.clone()
         ref = attention_reference.paged_attention(q, k, v, ref_cache, ref_meta, case.scale)
