@@ -3,19 +3,19 @@
 A loop stands in for the engine thread: each step waits --device-ms with the GIL released (as the host does while
 the device runs the forward), then runs --host-us of Python (the step's own host work), then calls the real
 ForwardSpans observer with a StepRecord serving --batch-size requests (one link each). Spans go through the real
-SDK's batch processor and OTLP exporter to a real receiver (tests/otlp_receiver.py) on loopback.
+writer process, SDK batch processor and OTLP exporter to a real receiver (tests/otlp_receiver.py) on loopback.
 
 usage: python bench/forward_span_cost.py [--batch-size 32] [--steps 400]
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from exec_service.step_record import StepRecord
 from tracing.forward_spans import ForwardSpans
@@ -53,23 +53,25 @@ def main() -> None:
     args = p.parse_args()
     receiver = OtlpReceiver()
     receiver.start()
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)))
-    tracer = provider.get_tracer("bench")
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint  # read by the writer process
+    tracer = TracerProvider().get_tracer("bench")
     requests = {f"r{i}": tracer.start_span(f"request {i}").get_span_context() for i in range(args.batch_size)}
-    observer = ForwardSpans(requests, ratio=1.0, tracer=tracer)
+    observer = ForwardSpans(Resource({"service.name": "kiln-bench"}), ratio=1.0)
+    for request_id, context in requests.items():
+        observer.request_started(request_id, context)
     ids = tuple(requests)
     off = per_step_us(None, args.steps, args.device_ms / 1e3, args.host_work, ids)
     on = per_step_us(observer, args.steps, args.device_ms / 1e3, args.host_work, ids)
-    observer.flush()
-    provider.shutdown()
+    observer.close()
     receiver.stop()
+    received = sum(s.name == "forward" for s in receiver.spans())
     print(f"\n{args.steps} steps, {args.device_ms} ms device wait, batch {args.batch_size} "
           f"({time.strftime('%Y-%m-%d')})")
     print("| forward spans | µs per step | added µs | added % |")
     print("|---|---|---|---|")
     print(f"| off | {off:.0f} | - | - |")
     print(f"| on, ratio 1.0 | {on:.0f} | {on - off:.0f} | {(on - off) / off * 100:.1f}% |")
+    print(f"\nforward spans received: {received} of {args.steps}")
 
 
 if __name__ == "__main__":

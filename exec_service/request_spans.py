@@ -1,12 +1,12 @@
-"""One span per Generate, with the OpenTelemetry GenAI attributes, and the live ones by request id.
+"""One span per Generate, with the OpenTelemetry GenAI attributes; watchers hear when each one starts and ends.
 
-ForwardSpans reads the live span contexts (from the engine thread) to parent and link each step's ``forward`` span
-to the requests it served; a request's entry goes when its Generate ends. With tracing off every span is the API's
-no-op one: nothing is registered and no attribute is computed.
+ForwardSpans watches, to parent and link each step's ``forward`` span to the requests it served. With tracing off
+every span is the API's no-op one: no watcher hears of it and no attribute is computed.
 """
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext, Status, StatusCode
@@ -17,21 +17,18 @@ from protos import exec_pb2
 from tracing import spans
 
 
-class RequestSpans(Mapping[str, SpanContext]):
-    """Request id -> the span context of its Generate, while it runs."""
+class RequestWatcher(Protocol):
+    def request_started(self, request_id: str, context: SpanContext) -> None: ...
 
-    def __init__(self, tracer: trace.Tracer | None = None):
+    def request_ended(self, request_id: str) -> None: ...
+
+
+class RequestSpans:
+    """Starts and ends the span of each Generate, telling ``watchers`` the request's span context while it runs."""
+
+    def __init__(self, tracer: trace.Tracer | None = None, watchers: Iterable[RequestWatcher] = ()):
         self._tracer = tracer or spans.tracer
-        self._live: dict[str, SpanContext] = {}
-
-    def __getitem__(self, request_id: str) -> SpanContext:
-        return self._live[request_id]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(dict(self._live))
-
-    def __len__(self) -> int:
-        return len(self._live)
+        self.watchers = list(watchers)
 
     @contextmanager
     def track(self, model: str, seq: Sequence) -> Iterator[trace.Span]:
@@ -41,9 +38,9 @@ class RequestSpans(Mapping[str, SpanContext]):
         the span's error, and leaving before the last token (the client went away) sets ``kiln.cancelled``.
         """
         span = self._tracer.start_span(f"{spans.TEXT_COMPLETION} {model}", attributes=_request_attributes(model, seq))
-        context = span.get_span_context()
-        if context.is_valid:
-            self._live[seq.request_id] = context
+        watchers = self.watchers if span.get_span_context().is_valid else []
+        for watcher in watchers:
+            watcher.request_started(seq.request_id, span.get_span_context())
         failed = False
         try:
             yield span
@@ -53,7 +50,8 @@ class RequestSpans(Mapping[str, SpanContext]):
             span.set_status(Status(StatusCode.ERROR, first_line(exc)))
             raise
         finally:
-            self._live.pop(seq.request_id, None)
+            for watcher in watchers:
+                watcher.request_ended(seq.request_id)
             if span.is_recording():
                 _record_outcome(span, seq, failed)
             span.end()

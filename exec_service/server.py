@@ -44,7 +44,7 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         self.fetcher = fetcher
         self.forward_stats = forward_stats
         self.step_observers = step_observers  # handed to every engine: forward spans hang here
-        self.request_spans = request_spans  # what forward spans link to
+        self.request_spans = request_spans  # forward spans watch them, to link to the requests they served
         self.models: dict[str, ServedModel] = {}
 
     @status_errors
@@ -145,7 +145,7 @@ async def start_exec_server(address: str, compile_address: str | None = None, st
 
     With ``store_dir`` (a store shared with the compile service) bundles are read in place; otherwise they are
     downloaded from the compile service into ``cache_dir`` once and reused. Observers that report the forward
-    stats or link to requests share ``forward_stats`` and ``request_spans`` with the server (kiln exec-server).
+    stats or link to requests share ``forward_stats`` and ``request_spans`` (as a watcher) with the server.
     """
     await asyncio.to_thread(bundle.preload_runtime)
     store = FilesystemStore(store_dir if store_dir is not None else cache_dir)

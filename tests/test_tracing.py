@@ -1,7 +1,8 @@
 """Tracing: spans across a real compile server into a real OTLP receiver, setup from the environment, forward spans.
 
 Processes that install global providers (init_tracing) run as children, so this process's own provider state
-never depends on test order; forward spans are checked against the SDK's own in-memory exporter and reader.
+never depends on test order; the forward-span writer is checked against the SDK's own in-memory exporter and
+reader.
 """
 
 import asyncio
@@ -18,16 +19,17 @@ from conftest import TINY_CONFIG, TINY_MODEL, client_tracer, otel_env
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from exec_service.step_record import StepRecord
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import compile_pb2, compile_pb2_grpc
 from tracing import spans
 from tracing.batch_size_log import BatchSizeLog, log_batchsize_interval
-from tracing.forward_spans import DURATION_BUCKETS_MS, FORWARD_DURATION, ForwardSpans, forward_span_ratio
+from tracing.forward_span_writer import DURATION_BUCKETS_MS, FORWARD_DURATION, ForwardSpanWriter, ForwardStep
+from tracing.forward_spans import EvenSampler, ForwardSpans, forward_span_ratio
 from tracing.forward_stats import ForwardStats, stats_line
 from tracing.grpc_instrumentation import instrumented_aio_channel, instrumented_channel
 
@@ -176,45 +178,68 @@ def test_dead_collector_never_slows_span_creation():
 
 
 def test_init_tracing_exports_forward_spans_and_the_histogram(otlp_receiver):
-    """The exec service's setup end to end: OTEL_SERVICE_NAME wins, spans and the metric reach the receiver."""
+    """The exec service's setup end to end: the writer process exports the engine's step records with the serving
+    process's resource (OTEL_SERVICE_NAME wins), thinned by KILN_FORWARD_SPAN_RATIO, linked across the process."""
     out = run_python("""
         import json
-        from dataclasses import dataclass
+        from opentelemetry import trace
+        from exec_service.step_record import StepRecord
         from tracing.forward_spans import ForwardSpans
         from tracing.setup import init_tracing
 
-        @dataclass
-        class Step:
-            model: str = "metric-model"
-            batch_size: int = 3
-            num_tokens: int = 3
-            padded_size: int = 4
-            runtime_mode: str = "compiled"
-            phase: str = "decode"
-            start_ns: int = 1_000_000_000
-            end_ns: int = 1_007_000_000
-            request_ids: tuple = ()
-
         telemetry = init_tracing("kiln-exec", {"kiln.model": "metric-model"})
-        observer = ForwardSpans()
-        for _ in range(5):
-            observer(Step())
-        observer.flush()
+        request = trace.get_tracer("test").start_span("generate r1")
+        observer = ForwardSpans(telemetry.resource)
+        observer.request_started("r1", request.get_span_context())
+        for i in range(6):
+            observer(StepRecord(model="metric-model", batch_size=3, num_tokens=3, padded_size=4,
+                                runtime_mode="compiled", phase="decode", start_ns=1_000_000_000 + i * 10_000_000,
+                                end_ns=1_007_000_000 + i * 10_000_000, request_ids=("r1", "gone")))
+        request.end()
+        observer.request_ended("r1")  # at once: the writer may not have made the steps' spans yet
+        observer.close()
         telemetry.shutdown()
-        print(json.dumps({"enabled": telemetry.enabled}))
-    """, otel_env(otlp_receiver.endpoint, OTEL_SERVICE_NAME="exec-renamed"))
+        context = request.get_span_context()
+        print(json.dumps({"enabled": telemetry.enabled, "trace_id": f"{context.trace_id:032x}",
+                          "span_id": f"{context.span_id:016x}"}))
+    """, otel_env(otlp_receiver.endpoint, OTEL_SERVICE_NAME="exec-renamed", KILN_FORWARD_SPAN_RATIO="0.5"))
     assert out["enabled"]
-    forward = [s for s in otlp_receiver.spans() if s.attributes.get(spans.MODEL) == "metric-model"]
-    assert len(forward) == 5 and forward[0].resource["service.name"] == "exec-renamed"
-    assert forward[0].resource["kiln.model"] == "metric-model"
+    forward = sorted((s for s in otlp_receiver.spans() if s.attributes.get(spans.MODEL) == "metric-model"),
+                     key=lambda s: s.start_ns)
+    assert [s.start_ns for s in forward] == [1_010_000_000, 1_030_000_000, 1_050_000_000]  # every 2nd step
+    for span in forward:
+        assert span.resource["service.name"] == "exec-renamed" and span.resource["kiln.model"] == "metric-model"
+        assert span.end_ns - span.start_ns == 7_000_000
+        assert span.attributes == {spans.MODEL: "metric-model", spans.BATCH_SIZE: 3, spans.NUM_TOKENS: 3,
+                                   spans.PADDED_SIZE: 4, spans.RUNTIME_MODE: "compiled", spans.PHASE: "decode"}
+        assert (span.trace_id, span.parent_span_id) == (out["trace_id"], out["span_id"])
+        assert span.links == [(out["trace_id"], out["span_id"])]  # "gone" has no span
     points = [p for resource, p in otlp_receiver.histogram_points(FORWARD_DURATION)
               if resource["service.name"] == "exec-renamed"]
     assert points[-1]["attributes"] == {spans.BATCH_SIZE: 3, spans.RUNTIME_MODE: "compiled"}
-    assert points[-1]["count"] == 5 and points[-1]["sum"] == pytest.approx(35.0)
+    assert points[-1]["count"] == 6 and points[-1]["sum"] == pytest.approx(42.0)  # every step
     assert points[-1]["bounds"] == list(DURATION_BUCKETS_MS)
 
 
-# --- forward spans from engine step records ---
+def test_a_dead_span_writer_never_stops_the_engine(caplog):
+    """The writer process killed mid-run: steps keep being accepted at no cost, one warning says spans are off."""
+    observer = ForwardSpans(Resource({"service.name": "kiln-exec"}), ratio=1.0)
+    observer._writer.kill()
+    observer._writer.join(10)
+    with caplog.at_level(logging.WARNING, logger="tracing.forward_spans"):
+        deadline = time.monotonic() + 10
+        while not caplog.records and time.monotonic() < deadline:
+            for record in steps(50, []):
+                observer(record)
+            time.sleep(0.06)
+        started = time.monotonic()
+        observer.close()
+    assert time.monotonic() - started < 1
+    (warning,) = caplog.records
+    assert "forward-span writer exited" in warning.getMessage() and "are off" in warning.getMessage()
+
+
+# --- forward spans from engine steps, as the writer process builds them ---
 
 @dataclass
 class Step:
@@ -249,15 +274,19 @@ def steps(n: int, request_ids: list[str]) -> list[Step]:
                  request_ids=request_ids) for i in range(n)]
 
 
+def forward_step(step: Step) -> ForwardStep:
+    return ForwardStep(step.model, step.batch_size, step.num_tokens, step.padded_size, step.runtime_mode,
+                       step.phase, step.start_ns, step.end_ns)
+
+
 def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
     tracer, meter, out, _ = sdk
     requests = {rid: tracer.start_span(f"generate {rid}") for rid in ("a", "b")}
     contexts = {rid: span.get_span_context() for rid, span in requests.items()}
-    observer = ForwardSpans(contexts, ratio=1.0, tracer=tracer, meter=meter)
-    records = steps(3, ["b", "a", "gone"])
+    writer = ForwardSpanWriter(tracer, meter)
+    records = steps(3, ["b", "a"])
     for record in records:
-        observer(record)
-    assert observer.flush()
+        writer.write(forward_step(record), [contexts[r] for r in record.request_ids])
 
     forward = [s for s in out.get_finished_spans() if s.name == spans.FORWARD]
     assert len(forward) == 3
@@ -266,50 +295,38 @@ def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
         assert dict(span.attributes) == {
             spans.MODEL: "tiny-llama", spans.BATCH_SIZE: 2, spans.NUM_TOKENS: 9, spans.PADDED_SIZE: 16,
             spans.RUNTIME_MODE: "cudagraph", spans.PHASE: "mixed"}
-        assert [link.context for link in span.links] == [contexts["b"], contexts["a"]]  # "gone" has no span
+        assert [link.context for link in span.links] == [contexts["b"], contexts["a"]]
         assert span.parent.span_id == contexts["b"].span_id  # the oldest request it served
         assert span.context.trace_id == contexts["b"].trace_id
 
 
 def test_forward_span_of_no_known_request_is_a_root(sdk):
     tracer, meter, out, _ = sdk
-    observer = ForwardSpans({}, ratio=1.0, tracer=tracer, meter=meter)
-    observer(steps(1, ["unknown"])[0])
-    assert observer.flush()
+    ForwardSpanWriter(tracer, meter).write(forward_step(steps(1, [])[0]), [])
     (span,) = out.get_finished_spans()
     assert span.parent is None and not span.links
 
 
-def test_forward_spans_take_the_engines_step_record(sdk):
-    tracer, meter, out, _ = sdk
-    request = tracer.start_span("generate r1")
-    record = StepRecord(model="tiny-llama", batch_size=1, num_tokens=1, padded_size=1, runtime_mode="compiled",
-                        phase="decode", start_ns=1_000, end_ns=2_000_000, request_ids=("r1",))
-    observer = ForwardSpans({"r1": request.get_span_context()}, ratio=1.0, tracer=tracer, meter=meter)
-    observer(record)
-    request.end()  # a request that ends before the writer thread makes the span keeps its link
-    assert observer.flush()
-    (span,) = [s for s in out.get_finished_spans() if s.name == spans.FORWARD]
-    assert (span.start_time, span.end_time, span.attributes[spans.PHASE]) == (1_000, 2_000_000, "decode")
-    assert [link.context for link in span.links] == [request.get_span_context()]
-
-
-def test_ratio_thins_spans_but_not_the_histogram(sdk):
+def test_unsampled_steps_get_the_histogram_but_no_span(sdk):
     tracer, meter, out, reader = sdk
-    none, quarter = (ForwardSpans(ratio=r, tracer=tracer, meter=meter) for r in (0.0, 0.25))
+    writer = ForwardSpanWriter(tracer, meter)
+    sampled = EvenSampler(0.25)
     for record in steps(8, []):
-        none(record)
-    assert none.flush() and out.get_finished_spans() == ()
-    for record in steps(8, []):
-        quarter(record)
-    assert quarter.flush() and len(out.get_finished_spans()) == 2  # every 4th step
+        writer.write(forward_step(record), [] if sampled() else None)
+    assert len(out.get_finished_spans()) == 2  # every 4th step
 
     (metric,) = [m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
                  for m in sm.metrics if m.name == FORWARD_DURATION]
     (point,) = metric.data.data_points
-    assert metric.unit == "ms" and point.count == 16
+    assert metric.unit == "ms" and point.count == 8
     assert dict(point.attributes) == {spans.BATCH_SIZE: 2, spans.RUNTIME_MODE: "cudagraph"}
-    assert point.sum == pytest.approx(2 * sum(range(1, 9)))  # step i lasts i + 1 ms
+    assert point.sum == pytest.approx(sum(range(1, 9)))  # step i lasts i + 1 ms
+
+
+def test_even_sampler_spaces_the_sampled_steps():
+    for ratio, expected in ((0.0, "0000000000"), (1.0, "1111111111"), (0.5, "0101010101"), (0.3, "0001001001")):
+        sampled = EvenSampler(ratio)
+        assert "".join(str(int(sampled())) for _ in range(10)) == expected, ratio
 
 
 def test_ratio_and_interval_from_the_environment(monkeypatch):

@@ -22,7 +22,7 @@ from kiln.errors import Internal
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import exec_pb2, exec_pb2_grpc
 from tracing import spans
-from tracing.forward_spans import FORWARD_DURATION
+from tracing.forward_span_writer import FORWARD_DURATION
 from tracing.grpc_instrumentation import instrumented_aio_channel
 
 MODEL = "traced"
@@ -248,18 +248,32 @@ def sequence(max_tokens: int = 3, **params) -> Sequence:
     return Sequence("r1", [4, 5, 6, 7], SamplingParams(max_tokens=max_tokens, **params), max_model_len=64)
 
 
-def test_request_span_registers_while_live_and_records_preemptions(memory_tracer):
+class Watcher:
+    """Hears what ForwardSpans hears from RequestSpans."""
+
+    def __init__(self):
+        self.calls = []
+
+    def request_started(self, request_id, context):
+        self.calls.append(("started", request_id, context))
+
+    def request_ended(self, request_id):
+        self.calls.append(("ended", request_id))
+
+
+def test_request_span_tells_its_watchers_and_records_preemptions(memory_tracer):
     tracer, exporter = memory_tracer
-    requests = RequestSpans(tracer)
+    watcher = Watcher()
+    requests = RequestSpans(tracer, [watcher])
     seq = sequence(temperature=0.7, top_k=5, seed=11)
     with requests.track("tiny", seq) as span:
-        assert dict(requests) == {"r1": span.get_span_context()}
+        assert watcher.calls == [("started", "r1", span.get_span_context())]
         seq.first_scheduled_s = time.perf_counter()
         seq.append_token(9)
         seq.preemptions.append((time.time_ns(), 5))
         seq.append_token(10)
         seq.append_token(11)
-    assert dict(requests) == {}
+    assert watcher.calls[1:] == [("ended", "r1")]
     (finished,) = exporter.get_finished_spans()
     assert finished.name == "text_completion tiny"
     attributes = finished.attributes
@@ -275,7 +289,8 @@ def test_request_span_registers_while_live_and_records_preemptions(memory_tracer
 
 def test_request_span_of_a_failed_or_cancelled_request(memory_tracer):
     tracer, exporter = memory_tracer
-    requests = RequestSpans(tracer)
+    watcher = Watcher()
+    requests = RequestSpans(tracer, [watcher])
     with pytest.raises(Internal), requests.track("tiny", sequence()):
         raise Internal("forward failed: boom")
 
@@ -294,10 +309,12 @@ def test_request_span_of_a_failed_or_cancelled_request(memory_tracer):
     assert spans.CANCELLED not in failed.attributes and spans.GEN_AI_RESPONSE_FINISH_REASONS not in failed.attributes
     assert cancelled.attributes[spans.CANCELLED] is True and cancelled.status.status_code is StatusCode.UNSET
     assert spans.TIME_TO_FIRST_TOKEN_S not in cancelled.attributes  # no token came
-    assert dict(requests) == {}
+    assert [call[0] for call in watcher.calls] == ["started", "ended"] * 2
 
 
-def test_request_spans_with_tracing_off_register_nothing():
-    requests = RequestSpans(NoOpTracer())
+def test_request_spans_with_tracing_off_tell_no_watcher():
+    watcher = Watcher()
+    requests = RequestSpans(NoOpTracer(), [watcher])
     with requests.track("tiny", sequence()) as span:
-        assert not span.is_recording() and dict(requests) == {}
+        assert not span.is_recording()
+    assert watcher.calls == []

@@ -10,29 +10,33 @@ times costs no extra device sync. The record (exec_service.step_record.StepRecor
     runtime_mode: str     eager / compiled / cudagraph
     phase: str            prefill / decode / mixed
     start_ns, end_ns: int the forward's start and end, wall-clock ns (CUDA events on GPU, host clock on CPU)
-    request_ids: Sequence[str]  the requests it served, looked up in ``request_spans`` for links
+    request_ids: Sequence[str]  the requests it served, linked when their spans are live
+
+It also watches the request spans (exec_service.request_spans): each request's span context goes to the writer
+when the request starts. The spans themselves are built and exported by that writer process
+(tracing.forward_span_writer, which says why).
 """
 
 import logging
+import multiprocessing
 import os
 import queue
 import threading
-import time
-from collections.abc import Mapping
 
-from opentelemetry import context, metrics, trace
-from opentelemetry.trace import Link, SpanContext
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.trace import SpanContext
 
-from tracing import spans
+from tracing import forward_span_writer
+from tracing.forward_span_writer import REQUEST_ENDED, REQUEST_STARTED, STEP, ForwardStep
+from tracing.setup import SHUTDOWN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
-FORWARD_DURATION = "kiln.forward.duration"
-# Steps waiting for the writer thread; past this, steps are counted in ``dropped`` rather than slowing the engine.
+# Steps waiting for the sender thread; past this, steps are counted in ``dropped`` rather than slowing the engine.
 PENDING_LIMIT = 10_000
-# Forward times run from well under a millisecond (tiny decode) to seconds (long prefill on CPU).
-DURATION_BUCKETS_MS = (0.25, 0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 75, 100, 150, 250, 500, 1000,
-                       2500, 5000)
+# The sender wakes this often and ships what piled up as one message, so it takes the GIL 20 times a second
+# rather than once a step.
+SEND_INTERVAL_S = 0.05
 
 
 def forward_span_ratio() -> float:
@@ -47,75 +51,92 @@ def forward_span_ratio() -> float:
     return ratio
 
 
-class ForwardSpans:
-    """Step observer: a span for ``ratio`` of the steps, evenly spaced; the histogram for every step.
+class EvenSampler:
+    """Step n is sampled when floor(n * ratio) moves: ratio 0.25 is every 4th step, deterministic."""
 
-    Parent: the first request the step served (the oldest, in scheduler order), so a request's trace shows the
-    steps that ran it; links: every request it served. ``request_spans`` maps a request id to its span's
-    context (the Generate handler adds and removes entries); ids not in it get no link.
-
-    The engine thread only reads the live request contexts and queues the step: building a span with a link per
-    request costs hundreds of microseconds of Python, which a writer thread spends while the engine waits on the
-    device instead of between steps.
-    """
-
-    def __init__(self, request_spans: Mapping[str, SpanContext] | None = None, ratio: float | None = None,
-                 tracer: trace.Tracer | None = None, meter: metrics.Meter | None = None):
-        self.request_spans = request_spans if request_spans is not None else {}
-        self.ratio = forward_span_ratio() if ratio is None else ratio
-        self._tracer = tracer or trace.get_tracer("kiln")
-        meter = meter or metrics.get_meter("kiln")
-        self._duration = meter.create_histogram(
-            FORWARD_DURATION, unit="ms", description="GPU time of one engine forward (host time on CPU)",
-            explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS))
+    def __init__(self, ratio: float):
+        self.ratio = ratio
         self._steps = 0
-        self.dropped = 0
-        self._pending: queue.Queue = queue.Queue(PENDING_LIMIT)
-        threading.Thread(target=self._write, name="forward-spans", daemon=True).start()
 
-    def __call__(self, step) -> None:
-        served = [ctx for ctx in map(self.request_spans.get, step.request_ids) if ctx is not None] \
-            if self._sampled() else None
-        try:
-            self._pending.put_nowait((step, served))
-        except queue.Full:
-            if not self.dropped:
-                log.warning("forward spans: the writer is %d steps behind; dropping steps until it catches up",
-                            PENDING_LIMIT)
-            self.dropped += 1
-
-    def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until every queued step has its span and histogram point; False if ``timeout`` ran out first."""
-        deadline = time.monotonic() + timeout
-        while self._pending.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return not self._pending.unfinished_tasks
-
-    def _sampled(self) -> bool:
-        """Deterministic: step n is sampled when floor(n * ratio) moves, so ratio 0.25 is every 4th step."""
+    def __call__(self) -> bool:
         before = int(self._steps * self.ratio)
         self._steps += 1
         return int(self._steps * self.ratio) > before
 
-    def _write(self) -> None:
-        while True:
-            step, served = self._pending.get()
-            try:
-                self._duration.record((step.end_ns - step.start_ns) / 1e6,
-                                      {spans.BATCH_SIZE: step.batch_size, spans.RUNTIME_MODE: step.runtime_mode})
-                if served is not None:
-                    self._emit(step, served)
-            except Exception:  # noqa: BLE001 - telemetry never stops serving
-                log.exception("forward span of a %s step failed", step.model)
-            finally:
-                self._pending.task_done()
 
-    def _emit(self, step, served: list[SpanContext]) -> None:
-        parent = trace.set_span_in_context(trace.NonRecordingSpan(served[0])) if served else context.Context()
-        span = self._tracer.start_span(
-            spans.FORWARD, context=parent, links=[Link(ctx) for ctx in served], start_time=step.start_ns,
-            attributes={
-                spans.MODEL: step.model, spans.BATCH_SIZE: step.batch_size, spans.NUM_TOKENS: step.num_tokens,
-                spans.PADDED_SIZE: step.padded_size, spans.RUNTIME_MODE: step.runtime_mode, spans.PHASE: step.phase,
-            })
-        span.end(end_time=step.end_ns)
+class ForwardSpans:
+    """Step observer and request watcher: a span for ``ratio`` of the steps, evenly spaced, linked to the requests
+    it served; the histogram for every step.
+
+    The engine thread and the Generate handlers only queue plain values (a step costs microseconds); a sender
+    thread ships the queue to the writer process, which exports as ``resource``. Call close() before the process
+    exits, so the last steps are exported.
+    """
+
+    def __init__(self, resource: Resource, ratio: float | None = None):
+        self._sampled = EvenSampler(forward_span_ratio() if ratio is None else ratio)
+        self.dropped = 0
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = threading.Event()
+        spawn = multiprocessing.get_context("spawn")  # never fork a process that holds CUDA
+        reader, self._pipe = spawn.Pipe(duplex=False)
+        self._writer = spawn.Process(
+            target=forward_span_writer.serve, name="kiln-forward-spans", daemon=True,
+            args=(reader, dict(resource.attributes), logging.getLogger().getEffectiveLevel()))
+        self._writer.start()
+        reader.close()  # the writer holds the only read end: it sees the end of the pipe if this process dies
+        self._sender = threading.Thread(target=self._send, name="forward-spans", daemon=True)
+        self._sender.start()
+
+    def __call__(self, step) -> None:
+        if self._closing.is_set():
+            return
+        request_ids = tuple(step.request_ids) if self._sampled() else None
+        if self._pending.qsize() >= PENDING_LIMIT:
+            if not self.dropped:
+                log.warning("forward spans: the writer is %d messages behind; dropping steps until it catches up",
+                            PENDING_LIMIT)
+            self.dropped += 1
+            return
+        self._pending.put((STEP, ForwardStep(step.model, step.batch_size, step.num_tokens, step.padded_size,
+                                             step.runtime_mode, step.phase, step.start_ns, step.end_ns), request_ids))
+
+    def request_started(self, request_id: str, context: SpanContext) -> None:
+        self._pending.put((REQUEST_STARTED, request_id, context.trace_id, context.span_id, int(context.trace_flags)))
+
+    def request_ended(self, request_id: str) -> None:
+        self._pending.put((REQUEST_ENDED, request_id))
+
+    def close(self, timeout_s: float = SHUTDOWN_TIMEOUT_S + 1) -> None:
+        """Ship the queued steps, let the writer export them and exit; after ``timeout_s`` stop it regardless."""
+        self._closing.set()
+        self._sender.join(timeout_s)
+        self._writer.join(timeout_s)
+        if self._writer.is_alive():
+            log.warning("the forward-span writer did not finish in %.0f s; stopping it", timeout_s)
+            self._writer.kill()
+
+    def _send(self) -> None:
+        try:
+            while True:
+                closing = self._closing.wait(SEND_INTERVAL_S)
+                batch = self._drain()
+                if batch:
+                    self._pipe.send(batch)
+                if closing:
+                    self._pipe.send(None)
+                    return
+        except OSError:  # BrokenPipeError included
+            log.warning("the forward-span writer exited (code %s); forward spans and the forward-time histogram "
+                        "are off", self._writer.exitcode)
+            self._closing.set()
+        finally:
+            self._pipe.close()
+
+    def _drain(self) -> list:
+        batch = []
+        try:
+            while True:
+                batch.append(self._pending.get_nowait())
+        except queue.Empty:
+            return batch

@@ -35,6 +35,7 @@ class Telemetry:
 
     tracer_provider: TracerProvider | None
     meter_provider: MeterProvider | None
+    resource: Resource | None = None
 
     @property
     def enabled(self) -> bool:
@@ -61,11 +62,23 @@ def init_tracing(service_name: str, resource_attributes: dict | None = None) -> 
     """Install the global tracer and meter providers for ``service_name`` (OTEL_SERVICE_NAME overrides it)."""
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return Telemetry(None, None)
-    traces_endpoint, metrics_endpoint = _endpoint("TRACES"), _endpoint("METRICS")
-    if not (traces_endpoint or metrics_endpoint):
+    if not (_endpoint("TRACES") or _endpoint("METRICS")):
         log.debug("tracing off: OTEL_EXPORTER_OTLP_ENDPOINT is not set")
         return Telemetry(None, None)
-    resource = _resource(service_name, resource_attributes or {})
+    telemetry = exporting_telemetry(_resource(service_name, resource_attributes or {}))
+    if telemetry.tracer_provider:
+        trace.set_tracer_provider(telemetry.tracer_provider)
+    if telemetry.meter_provider:
+        metrics.set_meter_provider(telemetry.meter_provider)
+    log.info("tracing as %s to %s", telemetry.resource.attributes[SERVICE_NAME],
+             _endpoint("TRACES") or _endpoint("METRICS"))
+    return telemetry
+
+
+def exporting_telemetry(resource: Resource) -> Telemetry:
+    """Providers for ``resource`` that export over OTLP as the OTEL_* variables say, not installed globally: a
+    process that exports for another one (the forward-span writer) uses these with that process's resource."""
+    traces_endpoint, metrics_endpoint = _endpoint("TRACES"), _endpoint("METRICS")
     tracer_provider = meter_provider = None
     if traces_endpoint:
         # Sampler from OTEL_TRACES_SAMPLER[_ARG]. No exit hook: Telemetry.shutdown is the one, bounded, flush.
@@ -73,13 +86,10 @@ def init_tracing(service_name: str, resource_attributes: dict | None = None) -> 
         tracer_provider.add_span_processor(BatchSpanProcessor(
             OTLPSpanExporter(timeout=_timeout("TRACES")),
             max_queue_size=_env_int("OTEL_BSP_MAX_QUEUE_SIZE", MAX_QUEUE_SIZE)))
-        trace.set_tracer_provider(tracer_provider)
     if metrics_endpoint:
         reader = PeriodicExportingMetricReader(OTLPMetricExporter(timeout=_timeout("METRICS")))
         meter_provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)
-        metrics.set_meter_provider(meter_provider)
-    log.info("tracing as %s to %s", resource.attributes[SERVICE_NAME], traces_endpoint or metrics_endpoint)
-    return Telemetry(tracer_provider, meter_provider)
+    return Telemetry(tracer_provider, meter_provider, resource)
 
 
 def _endpoint(signal: str) -> str:

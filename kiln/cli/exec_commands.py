@@ -92,10 +92,11 @@ def run_exec_server(args) -> int:
     from tracing.setup import init_tracing
 
     telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
-    forward_stats, request_spans = ForwardStats(), RequestSpans()
+    forward_stats = ForwardStats()
     # Each observer only where it has work: with tracing and the interval off, a step pays for neither.
-    forward_spans = ForwardSpans(request_spans) if telemetry.enabled else None
+    forward_spans = ForwardSpans(telemetry.resource) if telemetry.enabled else None
     observers = [forward_spans] if forward_spans else []
+    request_spans = RequestSpans(watchers=[forward_spans] if forward_spans else [])  # for forward spans' links
     if log_batchsize_interval() is not None:
         observers.append(BatchSizeLog(forward_stats))
 
@@ -105,7 +106,7 @@ def run_exec_server(args) -> int:
             server_interceptors(), observers, forward_stats, request_spans))
     finally:
         if forward_spans:
-            forward_spans.flush()  # the last steps' spans, before the exporter's final flush
+            forward_spans.close()  # the last steps' spans and histogram points, exported by the writer
         telemetry.shutdown()
     return 0
 

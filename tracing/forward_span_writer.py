@@ -1,0 +1,116 @@
+"""Builds the ``forward`` spans and the forward-time histogram, in a process of its own.
+
+A forward span that links the 32 requests of a batch costs the SDK and the OTLP encoder about a millisecond of
+Python. In the serving process that millisecond holds the GIL the engine thread needs between steps (it cost 20% of
+decode throughput at batch 32 on an H200), so ForwardSpans ships each step's few numbers here over a pipe and this
+process, with the serving process's resource and the same OTEL_* settings, builds and exports them.
+
+Messages, in the order the serving process sent them (a request starts before any step serves it):
+    (REQUEST_STARTED, request_id, trace_id, span_id, trace_flags)   its span's context, for links
+    (REQUEST_ENDED, request_id)
+    (STEP, ForwardStep, request_ids or None)                         None: not sampled, histogram only
+"""
+
+import logging
+import signal
+from multiprocessing.connection import Connection
+from typing import NamedTuple
+
+from opentelemetry import context, metrics, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+from tracing import spans
+from tracing.setup import exporting_telemetry
+
+log = logging.getLogger(__name__)
+
+FORWARD_DURATION = "kiln.forward.duration"
+# Forward times run from well under a millisecond (tiny decode) to seconds (long prefill on CPU).
+DURATION_BUCKETS_MS = (0.25, 0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 75, 100, 150, 250, 500, 1000,
+                       2500, 5000)
+
+REQUEST_STARTED, REQUEST_ENDED, STEP = "started", "ended", "step"
+
+
+class ForwardStep(NamedTuple):
+    """What a span and a histogram point need of the engine's StepRecord: plain values, cheap to pickle."""
+
+    model: str
+    batch_size: int
+    num_tokens: int
+    padded_size: int
+    runtime_mode: str
+    phase: str
+    start_ns: int
+    end_ns: int
+
+
+class ForwardSpanWriter:
+    """A histogram point for every step; a span for the sampled ones (those that come with their served requests).
+
+    Parent: the first request the step served (the oldest, in scheduler order), so a request's trace shows the
+    steps that ran it; links: every request it served.
+    """
+
+    def __init__(self, tracer: trace.Tracer, meter: metrics.Meter):
+        self._tracer = tracer
+        self._duration = meter.create_histogram(
+            FORWARD_DURATION, unit="ms", description="GPU time of one engine forward (host time on CPU)",
+            explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS))
+
+    def write(self, step: ForwardStep, served: list[SpanContext] | None) -> None:
+        self._duration.record((step.end_ns - step.start_ns) / 1e6,
+                              {spans.BATCH_SIZE: step.batch_size, spans.RUNTIME_MODE: step.runtime_mode})
+        if served is None:
+            return
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(served[0])) if served else context.Context()
+        span = self._tracer.start_span(
+            spans.FORWARD, context=parent, links=[Link(ctx) for ctx in served], start_time=step.start_ns,
+            attributes={
+                spans.MODEL: step.model, spans.BATCH_SIZE: step.batch_size, spans.NUM_TOKENS: step.num_tokens,
+                spans.PADDED_SIZE: step.padded_size, spans.RUNTIME_MODE: step.runtime_mode, spans.PHASE: step.phase,
+            })
+        span.end(end_time=step.end_ns)
+
+
+def serve(messages: Connection, resource_attributes: dict, log_level: int) -> None:
+    """The writer process: handle every batch of messages that arrives until ``None`` or the serving process is
+    gone (end of pipe), then flush the exporters within their bound and exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server says when
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    telemetry = exporting_telemetry(Resource(resource_attributes))
+    writer = ForwardSpanWriter(
+        telemetry.tracer_provider.get_tracer("kiln") if telemetry.tracer_provider else trace.NoOpTracer(),
+        telemetry.meter_provider.get_meter("kiln") if telemetry.meter_provider else metrics.NoOpMeter("kiln"))
+    live: dict[str, SpanContext] = {}  # request id -> its span's context, while the request runs
+    try:
+        while (batch := _receive(messages)) is not None:
+            for message in batch:
+                kind = message[0]
+                if kind == REQUEST_STARTED:
+                    _, request_id, trace_id, span_id, flags = message
+                    live[request_id] = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+                elif kind == REQUEST_ENDED:
+                    live.pop(message[1], None)
+                else:
+                    _write(writer, message[1], message[2], live)
+    finally:
+        telemetry.shutdown()
+
+
+def _write(writer: ForwardSpanWriter, step: ForwardStep, request_ids: tuple[str, ...] | None,
+           live: dict[str, SpanContext]) -> None:
+    """Ids with no live request (ended before the step's message came) get no link."""
+    served = None if request_ids is None else [live[r] for r in request_ids if r in live]
+    try:
+        writer.write(step, served)
+    except Exception:  # noqa: BLE001 - one bad step does not end the others' spans
+        log.exception("forward span of a %s step failed", step.model)
+
+
+def _receive(messages: Connection) -> list | None:
+    try:
+        return messages.recv()
+    except EOFError:
+        return None
