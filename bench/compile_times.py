@@ -1,6 +1,7 @@
 """Compile-service figures for one model config: cold piecewise vs full-graph compile, bundle size, cache-hit
 time, and a fresh process's load + first forward. Each cold compile runs in its own process with empty
-Inductor and Triton caches, so nothing is shared between the two.
+Inductor and Triton caches, so nothing is shared between the two. The JSON also lists the torch and Triton modules
+that loading still imported after kiln.bundle.preload_runtime (what preload_runtime should cover).
 
 usage: python bench/compile_times.py [--preset llama-3-8b] [--device cuda] [--dtype bfloat16]
 """
@@ -50,10 +51,11 @@ from kiln.bundle import preload_runtime
 t = time.perf_counter()
 preload_runtime()
 imports_s = time.perf_counter() - t
-before = compile_counts()
+before, modules = compile_counts(), set(sys.modules)
 t = time.perf_counter()
 fn = load_compiled(Path(path))
 load_s = time.perf_counter() - t
+imported = sorted(m for m in set(sys.modules) - modules if m.startswith(("torch", "triton")))
 ids = torch.randint(0, model.config.vocab_size, (1,), device=device)
 t = time.perf_counter()
 with torch.no_grad():
@@ -64,7 +66,7 @@ first_s = time.perf_counter() - t
 delta = compile_counts() - before
 print(json.dumps({"imports_s": imports_s, "load_s": load_s, "first_forward_s": first_s,
                   "dynamo_graphs": delta.dynamo_graphs, "inductor_compiles": delta.inductor_compiles,
-                  "process_s": time.perf_counter() - t0}))
+                  "process_s": time.perf_counter() - t0, "imported_by_load": imported}))
 """
 
 

@@ -8,6 +8,7 @@ reader.
 import asyncio
 import json
 import logging
+import multiprocessing
 import subprocess
 import sys
 import textwrap
@@ -224,8 +225,9 @@ def test_init_tracing_exports_forward_spans_and_the_histogram(otlp_receiver):
 def test_a_dead_span_writer_never_stops_the_engine(caplog):
     """The writer process killed mid-run: steps keep being accepted at no cost, one warning says spans are off."""
     observer = ForwardSpans(Resource({"service.name": "kiln-exec"}), ratio=1.0)
-    observer._writer.kill()
-    observer._writer.join(10)
+    (writer,) = [p for p in multiprocessing.active_children() if p.name == "kiln-forward-spans"]
+    writer.kill()
+    writer.join(10)
     with caplog.at_level(logging.WARNING, logger="tracing.forward_spans"):
         deadline = time.monotonic() + 10
         while not caplog.records and time.monotonic() < deadline:
