@@ -112,7 +112,10 @@ def preload_runtime() -> None:
 
     import kiln.attention  # noqa: F401
     for module in ("torch._dynamo.aot_compile", "torch._inductor.standalone_compile", "torch._inductor.codecache",
-                   "torch._inductor.output_code", "torch._functorch._aot_autograd.aot_autograd_result"):
+                   "torch._inductor.output_code", "torch._functorch._aot_autograd.aot_autograd_result",
+                   # What each piece's Inductor output code imports at its top: ~2 s on first import (the
+                   # scheduler, the codegen wrapper, the partitioners), paid here rather than in LoadModel.
+                   "torch._inductor.codegen.memory_planning", "torch._inductor.select_algorithm"):
         importlib.import_module(module)
     try:
         importlib.import_module("torch._inductor.runtime.triton_heuristics")
