@@ -32,7 +32,7 @@ from tracing.setup import SHUTDOWN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
-# Steps waiting for the sender thread; past this, steps are counted in ``dropped`` rather than slowing the engine.
+# Messages waiting for the sender thread; past this, steps are counted in ``dropped`` rather than slowing the engine.
 PENDING_LIMIT = 10_000
 # The sender wakes this often and ships what piled up as one message, so it takes the GIL 20 times a second
 # rather than once a step.
@@ -102,9 +102,13 @@ class ForwardSpans:
                                              step.runtime_mode, step.phase, step.start_ns, step.end_ns), request_ids))
 
     def request_started(self, request_id: str, context: SpanContext) -> None:
+        if self._closing.is_set():
+            return
         self._pending.put((REQUEST_STARTED, request_id, context.trace_id, context.span_id, int(context.trace_flags)))
 
     def request_ended(self, request_id: str) -> None:
+        if self._closing.is_set():
+            return
         self._pending.put((REQUEST_ENDED, request_id))
 
     def close(self, timeout_s: float = SHUTDOWN_TIMEOUT_S + 1) -> None:
