@@ -4,8 +4,9 @@
 greedy, ignore_eos) through the real gRPC servers, started as `LocalServices` child processes on one store:
 
 1. tracing off: the services get no OTEL_* variables;
-2. tracing on: OTLP to a receiver in this process (tests/otlp_receiver.py, the protocol Jaeger ingests),
-   KILN_FORWARD_SPAN_RATIO=1.0, so every step is a span;
+2. tracing on: OTLP to a receiver (tests/otlp_receiver.py, the protocol Jaeger ingests) in a process of its own,
+   as Jaeger is, so decoding spans does not slow this process's client; KILN_FORWARD_SPAN_RATIO=1.0, so every
+   step is a span;
 3. the same execute service after that receiver is stopped: every export fails, and serving must not slow down;
 4. for each of --other-ratios, tracing on with that KILN_FORWARD_SPAN_RATIO (0 leaves request and gRPC spans only,
    which tells the forward spans' share of the cost from the rest).
@@ -20,6 +21,7 @@ usage: python bench/tracing_overhead.py [--preset llama-3-8b] [--batch-sizes 1,3
 
 import argparse
 import asyncio
+import multiprocessing
 import random
 import statistics
 import sys
@@ -118,12 +120,40 @@ async def run_services(workdir: Path, store: Path, env: dict, args, phases) -> l
         services.cleanup()
 
 
-def forward_spans(receiver: OtlpReceiver, window_ns: tuple[int, int]) -> list:
+class ReceiverProcess:
+    """tests/otlp_receiver.py's OtlpReceiver, run in a spawned process and asked for its spans over a pipe."""
+
+    def __init__(self):
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        self._process = spawn.Process(target=_run_receiver, args=(child,), daemon=True)
+        self._process.start()
+        self.endpoint = self._conn.recv()
+
+    def spans(self) -> list:
+        self._conn.send("spans")
+        return self._conn.recv()
+
+    def stop(self) -> None:
+        if self._process.is_alive():
+            self._conn.send("stop")
+            self._process.join(30)
+
+
+def _run_receiver(conn) -> None:
+    receiver = OtlpReceiver().start()
+    conn.send(receiver.endpoint)
+    while conn.recv() == "spans":
+        conn.send(receiver.spans())
+    receiver.stop()
+
+
+def forward_spans(receiver: ReceiverProcess, window_ns: tuple[int, int]) -> list:
     return [s for s in receiver.spans() if s.name == spans.FORWARD and s.attributes.get(spans.MODEL) == MODEL
             and window_ns[0] <= s.start_ns <= window_ns[1]]
 
 
-def check_spans(receiver: OtlpReceiver, measured: dict[int, Measured]) -> None:
+def check_spans(receiver: ReceiverProcess, measured: dict[int, Measured]) -> None:
     """Wait for the timed batches' forward spans, then fill in their count and median per batch size."""
     for m in measured.values():
         expected = {s.batch_size: s.count for s in m.stats}
@@ -195,7 +225,7 @@ def main() -> int:
         (off,) = asyncio.run(run_services(tmp / "off", store, services_env(None), args,
                                           [("tracing off", lambda results: None)]))
 
-        receiver = OtlpReceiver().start()
+        receiver = ReceiverProcess()
 
         def stop_receiver(results):
             check_spans(receiver, results[0])  # the spans of the run before, all in
