@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.trace import SpanContext
@@ -69,8 +70,8 @@ class ForwardSpans:
     it served; the histogram for every step.
 
     The engine thread and the Generate handlers only queue plain values (a step costs microseconds); a sender
-    thread ships the queue to the writer process, which exports as ``resource``. Call close() before the process
-    exits, so the last steps are exported.
+    thread ships the queue to the writer process, which exports as ``resource``. Call close() (or stop(), then
+    join()) before the process exits, so the last steps are exported.
     """
 
     def __init__(self, resource: Resource, ratio: float | None = None):
@@ -111,14 +112,24 @@ class ForwardSpans:
             return
         self._pending.put((REQUEST_ENDED, request_id))
 
-    def close(self, timeout_s: float = SHUTDOWN_TIMEOUT_S + 1) -> None:
-        """Ship the queued steps, let the writer export them and exit; after ``timeout_s`` stop it regardless."""
+    def stop(self) -> None:
+        """Take no more steps; the queued ones are shipped and the writer exports them and exits. Returns at once,
+        so the caller's own exporters can flush meanwhile; join() waits."""
         self._closing.set()
+
+    def join(self, timeout_s: float = SHUTDOWN_TIMEOUT_S + 2) -> None:
+        """Wait for the writer's last export (bounded by its own SHUTDOWN_TIMEOUT_S); past ``timeout_s`` kill it."""
+        deadline = time.monotonic() + timeout_s
         self._sender.join(timeout_s)
-        self._writer.join(timeout_s)
+        self._writer.join(max(0.0, deadline - time.monotonic()))
         if self._writer.is_alive():
             log.warning("the forward-span writer did not finish in %.0f s; stopping it", timeout_s)
             self._writer.kill()
+            self._writer.join()
+
+    def close(self) -> None:
+        self.stop()
+        self.join()
 
     def _send(self) -> None:
         try:

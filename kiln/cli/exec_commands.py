@@ -106,8 +106,10 @@ def run_exec_server(args) -> int:
             server_interceptors(), observers, forward_stats, request_spans))
     finally:
         if forward_spans:
-            forward_spans.close()  # the last steps' spans and histogram points, exported by the writer
+            forward_spans.stop()  # the writer exports the last steps while this process's exporters flush
         telemetry.shutdown()
+        if forward_spans:
+            forward_spans.join()
     return 0
 
 
