@@ -103,17 +103,14 @@ class Scheduler:
             budget -= num_new
         return ScheduledBatch(entries)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> None:
         """Advance every scheduled sequence, append the sampled tokens, retire and free the finished ones."""
         for entry in batch.entries:
             entry.seq.num_computed_tokens = entry.end
-        finished = []
         for entry, token_id in zip(batch.sampling_entries, sampled, strict=True):
             entry.seq.append_token(token_id)
             if entry.seq.is_finished:
                 self._retire(entry.seq)
-                finished.append(entry.seq)
-        return finished
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is and free its blocks at once; None when it is not here (already done)."""

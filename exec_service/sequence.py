@@ -90,9 +90,7 @@ class Sequence:
         self.token_ids.append(token_id)
         if token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
             self.finish(exec_pb2.FINISH_REASON_STOP)
-        elif len(self.token_ids) - self.num_prompt_tokens >= self.params.max_tokens:
-            self.finish(exec_pb2.FINISH_REASON_LENGTH)
-        elif self.num_tokens >= self.max_model_len:
+        elif len(self.token_ids) >= min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len):
             self.finish(exec_pb2.FINISH_REASON_LENGTH)
 
     def finish(self, reason: int) -> None:
