@@ -86,11 +86,7 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         del self.models[request.name]
         await self.server.set_serving(health_name(request.name), False)
         if served.started is not None:
-            await asyncio.to_thread(served.started.engine.stop)
-            served.started = None
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            await asyncio.to_thread(_release, served)
         log.info("%s: unloaded", request.name)
         return exec_pb2.UnloadModelResponse()
 
@@ -135,6 +131,17 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
             known = ", ".join(sorted(self.models)) or "none"
             raise NotFound(f"{field}: no model named {name!r} (loaded: {known})")
         return served
+
+
+def _release(served: ServedModel) -> None:
+    """Stop the model's engine and give its weights and KV cache back to the device. In a worker thread: the full
+    garbage collection held the event loop, and every other model's streams, for ~0.6 s (Llama-3-8B, H200 host)."""
+    engine, served.started = served.started.engine, None
+    engine.stop()
+    del engine  # the last reference: what the collection frees
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 async def start_exec_server(address: str, compile_address: str | None = None, store_dir: str | Path | None = None,
