@@ -16,13 +16,12 @@ import grpc
 from google.protobuf import json_format
 
 from kiln.cli.compile_commands import DEFAULT_STORE, model_spec
+from kiln.cli.exec_commands import RUNTIME_MODES
+from kiln.cli.output import report_rpc_error
 from kiln.cli.service_process import LocalServices, ServiceFailed
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 from tracing.forward_stats import stats_line
-
-MODES = {"eager": exec_pb2.RUNTIME_MODE_EAGER, "compiled": exec_pb2.RUNTIME_MODE_COMPILED,
-         "cudagraph": exec_pb2.RUNTIME_MODE_CUDAGRAPH}
 
 
 def register(subparsers) -> None:
@@ -39,7 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("-O", "--compile-config", default="{}",
                    help="CompileConfig as JSON (or a Python dict literal), e.g. '{\"compile_sizes\": [1]}'")
-    p.add_argument("--runtime-mode", choices=sorted(MODES), default=None, help="default: the device's best")
+    p.add_argument("--runtime-mode", choices=sorted(RUNTIME_MODES), default=None, help="default: the device's best")
     p.add_argument("--dtype", default="")
     p.add_argument("--max-num-seqs", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=0)
@@ -82,15 +81,15 @@ def _report(run) -> int:
         run()
         return 0
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        return report_rpc_error(exc)
 
 
 async def _bench(address: str, args, config: common_pb2.CompileConfig) -> None:
     name = f"bench-latency-{args.runtime_mode or 'default'}"
     request = exec_pb2.LoadModelRequest(
         name=name, model=model_spec(args.model, args.dtype), config=config, max_num_seqs=args.max_num_seqs,
-        kv_cache_bytes=args.kv_cache_bytes, runtime_mode=MODES.get(args.runtime_mode, 0))
+        kv_cache_bytes=args.kv_cache_bytes,
+        runtime_mode=RUNTIME_MODES.get(args.runtime_mode, exec_pb2.RUNTIME_MODE_UNSPECIFIED))
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
         async for event in stub.LoadModel(request):

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from kiln.cli.compile_commands import DEFAULT_STORE
+from kiln.cli.output import report_rpc_error
 from kiln.cli.service_process import LocalServices, ServiceFailed
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
@@ -65,8 +66,7 @@ def run_demo(args) -> int:
         failed = False
         return 0
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        return report_rpc_error(exc)
     except ServiceFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
