@@ -8,7 +8,7 @@ from pathlib import Path
 
 from compile_service.pipeline import CompileOutcome, compile_model
 from kiln import bundle
-from kiln.artifact_store import FilesystemStore
+from kiln.artifact_store import FilesystemStore, check_key
 from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument, NotFound
 from kiln.grpc_server import ProgressEvents, Server, status_errors
@@ -70,20 +70,14 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
 
     @status_errors
     async def DeleteArtifact(self, request, context):
-        self._check_key(request.key.digest)
+        check_key(request.key.digest)
         freed = self.store.delete(request.key.digest)
         if not freed:
             raise NotFound(f"key: no artifact {request.key.digest}")
         return compile_pb2.DeleteArtifactResponse(freed_bytes=freed)
 
-    def _check_key(self, digest: str) -> None:
-        try:
-            self.store.path(digest)
-        except ValueError:
-            raise InvalidArgument(f"key.digest: {digest!r} is not a 64-character hex sha256") from None
-
     def _bundle(self, digest: str) -> Path:
-        self._check_key(digest)
+        check_key(digest)
         path = self.store.get(digest)
         if path is None:
             raise NotFound(f"key: no artifact {digest}; Compile it first")

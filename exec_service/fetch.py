@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 
 from kiln import bundle, cache_key
-from kiln.artifact_store import FilesystemStore
+from kiln.artifact_store import FilesystemStore, check_key
 from kiln.bundle import CorruptBundle
 from kiln.compile_config import CompileConfig
-from kiln.errors import FailedPrecondition, Internal, InvalidArgument, KilnError, NotFound
+from kiln.errors import FailedPrecondition, Internal, KilnError, NotFound
 from kiln.model_spec import ResolvedModel
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
@@ -60,12 +60,12 @@ class BundleFetcher:
         """The bundle for ``key``, or for the model of ``spec`` under ``config``, compiled on the compile service
         on a miss."""
         if key is not None:
-            self._check_key(key)
+            check_key(key)
         # What this process would compile: when the store has it, no call to the compile service is needed.
         digest = key or cache_key.digest(cache_key.key_factors(model, config))
         with self.store.lock(digest):
             path = self.store.get(digest)
-        source = "shared store" if self.shared else "local cache"
+        source = self._found_in
         if path is None:
             if key is None:
                 digest = self._compile(_wire_spec(spec, model), config, progress)
@@ -76,11 +76,10 @@ class BundleFetcher:
             check_model(fetched, model)
         return fetched
 
-    def _check_key(self, key: str) -> None:
-        try:
-            self.store.path(key)
-        except ValueError:
-            raise InvalidArgument(f"key.digest: {key!r} is not a 64-character hex sha256") from None
+    @property
+    def _found_in(self) -> str:
+        """The source of a bundle that was already in ``store``."""
+        return "shared store" if self.shared else "local cache"
 
     def _compile(self, spec: common_pb2.ModelSpec, config: CompileConfig, progress: ProgressFn) -> str:
         stub = self._stub()
@@ -108,7 +107,7 @@ class BundleFetcher:
         with self.store.lock(digest):
             path = self.store.get(digest)
             if path is not None:
-                return path, "shared store" if self.shared else "local cache"
+                return path, self._found_in
             if self.shared:
                 raise NotFound(f"key: no bundle {digest} in the shared store {self.store.root}")
             size = self._download(digest, progress)

@@ -19,8 +19,20 @@ from typing import Protocol
 
 from kiln import bundle
 from kiln.bundle import CorruptBundle, Manifest
+from kiln.errors import InvalidArgument
 
 _LAST_USED = ".last_used"
+
+
+def is_key(key: str) -> bool:
+    """An artifact key is the sha256 of its key factors: 64 lowercase hex characters."""
+    return len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+
+
+def check_key(digest: str) -> None:
+    """INVALID_ARGUMENT naming the request field, for a key a client sent."""
+    if not is_key(digest):
+        raise InvalidArgument(f"key.digest: {digest!r} is not a 64-character hex sha256")
 
 
 @dataclass
@@ -58,7 +70,7 @@ class FilesystemStore:
         self._verified: dict[str, tuple[float, int]] = {}  # key -> (manifest mtime, size) last verified here
 
     def path(self, key: str) -> Path:
-        if len(key) != 64 or not all(c in "0123456789abcdef" for c in key):
+        if not is_key(key):
             raise ValueError(f"not an artifact key: {key!r}")
         return self.root / key
 
