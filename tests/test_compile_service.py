@@ -105,6 +105,24 @@ def test_get_artifact_streams_chunks_with_sha256(compile_stub, tiny_key, tmp_pat
     assert bundle.verify(tmp_path / "b").key == tiny_key
 
 
+@pytest.mark.parametrize(("call", "digest", "extra", "code", "message"), [
+    ("GetArtifact", "xyz", {}, grpc.StatusCode.INVALID_ARGUMENT, "key.digest: 'xyz' is not a 64-character hex"),
+    ("GetArtifact", "AB" * 32, {}, grpc.StatusCode.INVALID_ARGUMENT, "key.digest"),
+    ("GetArtifact", "0" * 64, {}, grpc.StatusCode.NOT_FOUND, "Compile it first"),
+    ("GetArtifact", None, {"chunk_bytes": 64 << 20}, grpc.StatusCode.INVALID_ARGUMENT, "chunk_bytes"),
+    ("DeleteArtifact", "xyz", {}, grpc.StatusCode.INVALID_ARGUMENT, "key.digest"),
+    ("DeleteArtifact", "0" * 64, {}, grpc.StatusCode.NOT_FOUND, "no artifact"),
+])
+def test_artifact_calls_name_a_bad_key_or_chunk_size(compile_stub, tiny_key, call, digest, extra, code, message):
+    request = getattr(compile_pb2, f"{call}Request")(key=common_pb2.ArtifactKey(digest=digest or tiny_key), **extra)
+    with pytest.raises(grpc.RpcError) as err:
+        if call == "GetArtifact":
+            list(compile_stub.GetArtifact(request))  # a stream: its status comes with the first read
+        else:
+            compile_stub.DeleteArtifact(request)
+    assert err.value.code() == code and message in err.value.details()
+
+
 def test_list_and_delete(compile_stub, tiny_key):
     listed = {a.key.digest: a for a in compile_stub.ListArtifacts(compile_pb2.ListArtifactsRequest()).artifacts}
     info = listed[tiny_key]
