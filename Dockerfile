@@ -38,7 +38,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && rm /tmp/requirements.txt
 
 COPY . .
-RUN python -m pip install --no-deps . && python -c "import torch, kiln.cli; print('torch', torch.__version__)"
+RUN python -m pip install --no-deps . && python -c "import torch, kiln_cli; print('torch', torch.__version__)"
 
 USER kiln
 WORKDIR /home/kiln

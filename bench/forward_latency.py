@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from exec_service import kv_cache
-from exec_service.cuda_graphs import CUDAGraphs
+from exec_service.engine import kv_cache
+from exec_service.engine.cuda_graphs import CUDAGraphs
 from kiln.bundle import load_compiled
 from kiln.counters import expect_no_compile
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context

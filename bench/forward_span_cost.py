@@ -17,7 +17,7 @@ from pathlib import Path
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
-from exec_service.step_record import StepRecord
+from kiln.step_record import StepRecord
 from tracing.forward_spans import ForwardSpans
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

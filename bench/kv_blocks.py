@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from exec_service import kv_cache
-from exec_service.model_runner import CUDAGRAPH_RESERVE_BYTES
+from exec_service.engine import kv_cache
+from exec_service.engine.model_runner import CUDAGRAPH_RESERVE_BYTES
 from kiln.bundle import load_compiled
 from kiln.model import build_model, weights_bytes
 from kiln.model_spec import resolve

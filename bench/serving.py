@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 
-from kiln.cli.service_process import LocalServices
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln_cli.service_process import LocalServices
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
 

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import torch
 
-from exec_service.detokenizer import Detokenizer
-from exec_service.engine import StepObserver
-from exec_service.fetch import BundleFetcher
-from exec_service.request_spans import RequestSpans
-from exec_service.served_model import ServedModel
-from exec_service.startup import LoadTarget, StartedModel, start_model
+from exec_service.api.detokenizer import Detokenizer
+from exec_service.api.served_model import ServedModel
+from exec_service.engine.engine_loop import StepObserver
+from exec_service.startup.fetch import BundleFetcher
+from exec_service.startup.load_model import LoadTarget, StartedModel, start_model
+from exec_service.telemetry.forward_stats import ForwardStats
+from exec_service.telemetry.request_spans import RequestSpans
 from kiln import bundle
 from kiln.artifact_store import FilesystemStore
 from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, first_line
 from kiln.grpc_server import CHANNEL_OPTIONS, ProgressEvents, Server, status_errors
 from protos import exec_pb2, exec_pb2_grpc
-from tracing.forward_stats import ForwardStats
 from tracing.grpc_instrumentation import instrumented_channel
 
 log = logging.getLogger(__name__)

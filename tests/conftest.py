@@ -108,7 +108,7 @@ def client_tracer(endpoint: str):
 @pytest.fixture(scope="session")
 def traced_compile_server(otlp_receiver, tmp_path_factory):
     """``kiln compile-server`` as a child process with tracing to the session's receiver, and its own store."""
-    from kiln.cli.service_process import ServiceProcess, free_port, kiln_command
+    from kiln_cli.service_process import ServiceProcess, free_port, kiln_command
 
     store, port = tmp_path_factory.mktemp("traced-store"), free_port()
     server = ServiceProcess(

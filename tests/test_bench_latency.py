@@ -16,7 +16,7 @@ def test_bench_latency_prints_the_forward_time_line(exec_server, tiny_loaded):
     """After the session's first load (tiny_loaded), which the startup-phase test expects to download."""
     config = json.dumps(json_format.MessageToDict(TINY_CONFIG))
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln.cli", "bench", "latency", "tiny-llama", "--exec-server", exec_server.address,
+        [sys.executable, "-m", "kiln_cli", "bench", "latency", "tiny-llama", "--exec-server", exec_server.address,
          "--batch-size", "3", "--input-len", "5", "--output-len", "6", "--num-iters", "2", "-O", config],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,7 +30,7 @@ def test_bench_latency_prints_the_forward_time_line(exec_server, tiny_loaded):
 
 
 def test_bench_latency_rejects_a_bad_config(exec_server, tiny_loaded):
-    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "bench", "latency", "tiny-llama", "--exec-server",
+    proc = subprocess.run([sys.executable, "-m", "kiln_cli", "bench", "latency", "tiny-llama", "--exec-server",
                            exec_server.address, "-O", '{"no_such_field": 1}'], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "-O: not a CompileConfig" in proc.stderr

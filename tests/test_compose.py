@@ -17,8 +17,8 @@ import pytest
 import yaml
 from conftest import TINY_CONFIG, TINY_MODEL
 
-from kiln.cli.service_process import ServiceProcess, free_port
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln_cli.service_process import ServiceProcess, free_port
 from protos import exec_pb2, exec_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]

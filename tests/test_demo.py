@@ -25,7 +25,7 @@ def demo(tmp_path_factory, otlp):
     store = tmp_path_factory.mktemp("demo-store")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp.endpoint
-    result = subprocess.run([sys.executable, "-m", "kiln.cli", "demo", "--store", str(store), "--device", "cpu"],
+    result = subprocess.run([sys.executable, "-m", "kiln_cli", "demo", "--store", str(store), "--device", "cpu"],
                             capture_output=True, text=True, timeout=DEMO_BUDGET_S, env=env)
     return result, store
 

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from exec_service.detokenizer import Detokenizer
+from exec_service.api.detokenizer import Detokenizer
 
 # Multi-byte characters split across tokens: the detokenizer must hold them back until they are whole.
 TEXT = "héllo 😀 wörld 日本語 🎉 naïve über café"

@@ -6,13 +6,13 @@ import threading
 import pytest
 from conftest import TINY_MODEL
 
-from exec_service.engine import Engine
-from exec_service.engine_config import EngineConfig
-from exec_service.model_runner import ModelRunner
-from exec_service.sequence import SamplingParams, Sequence
+from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.engine_loop import Engine
+from exec_service.engine.model_runner import ModelRunner
+from exec_service.engine.sequence import SamplingParams, Sequence
+from exec_service.telemetry.forward_stats import ForwardStats
 from kiln.errors import Internal
 from kiln.model_spec import resolve
-from tracing.forward_stats import ForwardStats
 
 CONFIG = EngineConfig(device="cpu", runtime_mode="eager", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
                       block_size=16, gpu_memory_utilization=0.9, kv_cache_bytes=1 << 20, capture_sizes=(),

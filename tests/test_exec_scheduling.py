@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from exec_service.block_manager import BlockManager
-from exec_service.sampler import Sampler
-from exec_service.scheduler import Scheduler
-from exec_service.sequence import SamplingParams, Sequence, SequenceStatus
+from exec_service.engine.block_manager import BlockManager
+from exec_service.engine.sampler import Sampler
+from exec_service.engine.scheduler import Scheduler
+from exec_service.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from protos import exec_pb2
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0)

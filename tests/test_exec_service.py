@@ -379,7 +379,7 @@ def test_forward_stats(exec_stub, tiny_loaded):
 
 
 def test_cli_generate_models_stats(exec_server, tiny_loaded, hf_tiny, capsys):
-    from kiln.cli import main
+    from kiln_cli import main
 
     assert main(["generate", exec_server.address, "--model", "tiny", "--prompt-ids", "4,5,6", "--max-tokens", "5",
                  "--temperature", "0", "--ignore-eos", "--json"]) == 0
@@ -400,7 +400,7 @@ def test_cli_generate_models_stats(exec_server, tiny_loaded, hf_tiny, capsys):
 
 
 def test_cli_load_prints_each_phase(exec_server, tiny_loaded, capsys):
-    from kiln.cli import main
+    from kiln_cli import main
 
     assert main(["load", exec_server.address, "tiny-llama", "--name", "tiny-cli", "--device", "cpu",
                  "--compile-sizes", "8", "--max-num-batched-tokens", "128"]) == 0

@@ -6,8 +6,8 @@ import sys
 import pytest
 from conftest import BackgroundServer
 
-from kiln.cli.service_process import free_port
 from kiln.grpc_server import Server
+from kiln_cli.service_process import free_port
 
 READY = "kiln.v1.Ready"
 DRAINING = "kiln.v1.Draining"
@@ -28,7 +28,7 @@ def server():
 
 
 def kiln_health(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.cli", "health", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kiln_cli", "health", *args], capture_output=True, text=True,
                           timeout=60)
 
 

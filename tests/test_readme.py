@@ -10,12 +10,12 @@ import pytest
 from google.protobuf import json_format, message_factory
 from grpc_health.v1 import health_pb2
 
-from kiln.cli import COMMAND_MODULES
+from kiln_cli import COMMAND_MODULES
 from protos import compile_pb2, exec_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-SOURCE_DIRS = ("kiln", "compile_service", "exec_service", "tracing")
+SOURCE_DIRS = ("kiln", "kiln_cli", "compile_service", "exec_service", "tracing")
 
 
 def opening_commands() -> list[str]:

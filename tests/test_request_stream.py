@@ -3,7 +3,7 @@
 import asyncio
 import threading
 
-from exec_service.outputs import RequestOutput, RequestStream, deliver
+from exec_service.engine.request_stream import RequestOutput, RequestStream, deliver
 from kiln.errors import Internal
 from protos import exec_pb2
 

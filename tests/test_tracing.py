@@ -25,13 +25,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from exec_service.telemetry.batch_size_log import BatchSizeLog, log_batchsize_interval
+from exec_service.telemetry.forward_stats import ForwardStats, stats_line
 from kiln.grpc_server import CHANNEL_OPTIONS
 from protos import compile_pb2, compile_pb2_grpc
 from tracing import spans
-from tracing.batch_size_log import BatchSizeLog, log_batchsize_interval
 from tracing.forward_span_writer import DURATION_BUCKETS_MS, FORWARD_DURATION, ForwardSpanWriter, ForwardStep
 from tracing.forward_spans import EvenSampler, ForwardSpans, forward_span_ratio
-from tracing.forward_stats import ForwardStats, stats_line
 from tracing.grpc_instrumentation import instrumented_aio_channel, instrumented_channel
 
 COMPILE_RPC = "/kiln.v1.CompileService/Compile"
@@ -184,7 +184,7 @@ def test_init_tracing_exports_forward_spans_and_the_histogram(otlp_receiver):
     out = run_python("""
         import json
         from opentelemetry import trace
-        from exec_service.step_record import StepRecord
+        from kiln.step_record import StepRecord
         from tracing.forward_spans import ForwardSpans
         from tracing.setup import init_tracing
 
@@ -361,7 +361,7 @@ def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
     report = BatchSizeLog(stats, interval_s=0.2, tracer=tracer)
     step = steps(1, [])[0]
 
-    with caplog.at_level(logging.INFO, logger="tracing.batch_size_log"):
+    with caplog.at_level(logging.INFO, logger="exec_service.telemetry.batch_size_log"):
         report(step)  # the interval has not passed yet
         assert not caplog.records and not out.get_finished_spans()
         time.sleep(0.25)
@@ -391,7 +391,7 @@ def test_batch_size_log_off_reports_nothing(sdk, caplog, monkeypatch):
     monkeypatch.delenv("KILN_LOG_BATCHSIZE_INTERVAL", raising=False)
     stats = ForwardStats()
     stats.record("tiny-llama", 1, 1.0, "eager")
-    with caplog.at_level(logging.INFO, logger="tracing.batch_size_log"):
+    with caplog.at_level(logging.INFO, logger="exec_service.telemetry.batch_size_log"):
         BatchSizeLog(stats, tracer=tracer)(steps(1, [])[0])
     assert not caplog.records and not out.get_finished_spans()
 

@@ -15,11 +15,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracer, StatusCode
 
-from exec_service.request_spans import RequestSpans
-from exec_service.sequence import SamplingParams, Sequence
-from kiln.cli.service_process import LocalServices
+from exec_service.engine.sequence import SamplingParams, Sequence
+from exec_service.telemetry.request_spans import RequestSpans
 from kiln.errors import Internal
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln_cli.service_process import LocalServices
 from protos import exec_pb2, exec_pb2_grpc
 from tracing import spans
 from tracing.forward_span_writer import FORWARD_DURATION

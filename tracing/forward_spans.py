@@ -1,7 +1,7 @@
 """One ``forward`` span per engine step, timed by the engine's own clock, and the forward-time histogram.
 
 An engine step observer: the engine calls it with each step's record after the step's own sync, so reading the
-times costs no extra device sync. The record (exec_service.step_record.StepRecord) is duck-typed; it needs
+times costs no extra device sync. The record (kiln.step_record.StepRecord) is duck-typed; it needs
 
     model: str            the served model's name
     batch_size: int       sequences in the step
@@ -12,7 +12,7 @@ times costs no extra device sync. The record (exec_service.step_record.StepRecor
     start_ns, end_ns: int the forward's start and end, wall-clock ns (CUDA events on GPU, host clock on CPU)
     request_ids: Sequence[str]  the requests it served, linked when their spans are live
 
-It also watches the request spans (exec_service.request_spans): each request's span context goes to the writer
+It also watches the request spans (exec_service.telemetry.request_spans): each request's span context goes to the writer
 when the request starts. The spans themselves are built and exported by that writer process
 (tracing.forward_span_writer, which says why).
 """

@@ -2,7 +2,7 @@
 
 import math
 
-from exec_service.sequence import SamplingParams
+from exec_service.engine.sequence import SamplingParams
 from kiln.errors import InvalidArgument
 from protos import exec_pb2
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import grpc
 
-from kiln.cli.output import Printer, report_rpc_error
 from kiln.grpc_server import CHANNEL_OPTIONS, serve_until_signal
+from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
 DEFAULT_STORE = os.environ.get("KILN_STORE", str(Path.home() / ".cache" / "kiln" / "store"))

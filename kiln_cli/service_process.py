@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from kiln.cli.health_commands import SERVING, check
+from kiln_cli.health_commands import SERVING, check
 
 # How often to ask the health service while a server starts (importing torch alone takes seconds).
 POLL_S = 0.5
@@ -34,7 +34,7 @@ def free_port() -> int:
 
 def kiln_command(*args: str) -> list[str]:
     """``kiln ARGS`` through this interpreter, so it works without the console script on PATH."""
-    return [sys.executable, "-m", "kiln.cli", *args]
+    return [sys.executable, "-m", "kiln_cli", *args]
 
 
 class ServiceProcess:

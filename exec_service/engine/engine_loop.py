@@ -12,16 +12,16 @@ from collections.abc import Callable
 
 import torch
 
-from exec_service.block_manager import BlockManager
-from exec_service.engine_config import EngineConfig
-from exec_service.model_runner import ModelRunner
-from exec_service.outputs import RequestOutput, RequestStream, deliver
-from exec_service.sampler import Sampler
-from exec_service.scheduler import ScheduledBatch, Scheduler
-from exec_service.sequence import Sequence
-from exec_service.step_record import StepRecord
+from exec_service.engine.block_manager import BlockManager
+from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.model_runner import ModelRunner
+from exec_service.engine.request_stream import RequestOutput, RequestStream, deliver
+from exec_service.engine.sampler import Sampler
+from exec_service.engine.scheduler import ScheduledBatch, Scheduler
+from exec_service.engine.sequence import Sequence
+from exec_service.telemetry.forward_stats import ForwardStats
 from kiln.errors import Internal, ResourceExhausted, Unavailable, first_line
-from tracing.forward_stats import ForwardStats
+from kiln.step_record import StepRecord
 
 log = logging.getLogger(__name__)
 

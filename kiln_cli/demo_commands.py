@@ -11,12 +11,12 @@ from pathlib import Path
 
 import grpc
 
-from kiln.cli.compile_commands import DEFAULT_STORE
-from kiln.cli.output import report_rpc_error
-from kiln.cli.service_process import LocalServices, ServiceFailed
+from exec_service.telemetry.forward_stats import stats_line
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln_cli.compile_commands import DEFAULT_STORE
+from kiln_cli.output import report_rpc_error
+from kiln_cli.service_process import LocalServices, ServiceFailed
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
-from tracing.forward_stats import stats_line
 
 # A real model's config where a GPU can run it; the CI-sized one on a CPU.
 GPU_PRESET = "llama-3.2-1b"

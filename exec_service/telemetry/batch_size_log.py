@@ -11,8 +11,8 @@ import time
 
 from opentelemetry import context, trace
 
+from exec_service.telemetry.forward_stats import BatchSizeStat, ForwardStats, stats_line
 from tracing import spans
-from tracing.forward_stats import BatchSizeStat, ForwardStats, stats_line
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Protocol
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext, Status, StatusCode
 
-from exec_service.sequence import Sequence
+from exec_service.engine.sequence import Sequence
 from kiln.errors import first_line
 from protos import exec_pb2
 from tracing import spans

@@ -14,16 +14,16 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from exec_service.engine import Engine, StepObserver
-from exec_service.engine_config import EngineConfig, model_name
-from exec_service.fetch import BundleFetcher, FetchedBundle
-from exec_service.model_runner import ModelRunner
+from exec_service.engine.engine_config import EngineConfig, model_name
+from exec_service.engine.engine_loop import Engine, StepObserver
+from exec_service.engine.model_runner import ModelRunner
+from exec_service.startup.fetch import BundleFetcher, FetchedBundle
+from exec_service.telemetry.forward_stats import ForwardStats
 from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument
 from kiln.model_spec import ResolvedModel, resolve
 from protos import common_pb2, exec_pb2
 from tracing import spans
-from tracing.forward_stats import ForwardStats
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ import sys
 
 import grpc
 
-from kiln.cli.compile_commands import add_compile_config_args, compile_config, model_spec
-from kiln.cli.output import Printer, report_rpc_error
 from kiln.grpc_server import CHANNEL_OPTIONS, serve_until_signal
+from kiln_cli.compile_commands import add_compile_config_args, compile_config, model_spec
+from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
 RUNTIME_MODES = {"eager": exec_pb2.RUNTIME_MODE_EAGER, "compiled": exec_pb2.RUNTIME_MODE_COMPILED,
@@ -83,11 +83,11 @@ def _ints(text: str) -> list[int]:
 
 
 def run_exec_server(args) -> int:
-    from exec_service.request_spans import RequestSpans
     from exec_service.server import DEFAULT_CACHE_DIR, start_exec_server
-    from tracing.batch_size_log import BatchSizeLog, log_batchsize_interval
+    from exec_service.telemetry.batch_size_log import BatchSizeLog, log_batchsize_interval
+    from exec_service.telemetry.forward_stats import ForwardStats
+    from exec_service.telemetry.request_spans import RequestSpans
     from tracing.forward_spans import ForwardSpans
-    from tracing.forward_stats import ForwardStats
     from tracing.grpc_instrumentation import server_interceptors
     from tracing.setup import init_tracing
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from exec_service.step_inputs import StepInputs
+from exec_service.engine.step_inputs import StepInputs
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 log = logging.getLogger(__name__)

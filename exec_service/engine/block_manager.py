@@ -2,7 +2,7 @@
 
 from collections import deque
 
-from exec_service.sequence import Sequence
+from exec_service.engine.sequence import Sequence
 
 
 class BlockManager:

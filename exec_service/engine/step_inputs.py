@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from exec_service.scheduler import ScheduledBatch
+from exec_service.engine.scheduler import ScheduledBatch
 from kiln.forward_context import AttentionMetadata
 
 

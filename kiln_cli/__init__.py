@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from kiln.cli import bench_commands, compile_commands, demo_commands, exec_commands, health_commands
+from kiln_cli import bench_commands, compile_commands, demo_commands, exec_commands, health_commands
 
 # Each module contributes its subcommands with register(subparsers); handlers return an exit code.
 COMMAND_MODULES = [compile_commands, exec_commands, health_commands, demo_commands, bench_commands]

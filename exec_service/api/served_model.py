@@ -3,10 +3,10 @@
 import uuid
 from dataclasses import dataclass
 
-from exec_service import requests
-from exec_service.engine import Engine
-from exec_service.sequence import Sequence
-from exec_service.startup import StartedModel
+from exec_service.api import generate_request
+from exec_service.engine.engine_loop import Engine
+from exec_service.engine.sequence import Sequence
+from exec_service.startup.load_model import StartedModel
 from kiln.errors import Unavailable
 from protos import exec_pb2
 
@@ -34,8 +34,9 @@ class ServedModel:
     def new_sequence(self, request: exec_pb2.GenerateRequest) -> Sequence:
         """The request as engine state, or INVALID_ARGUMENT naming the field at fault."""
         sizing = self.started.sizing
-        prompt = requests.prompt_token_ids(request, self.started.tokenizer, sizing.vocab_size, sizing.max_model_len)
-        params = requests.sampling_params(request, sizing.vocab_size)
+        prompt = generate_request.prompt_token_ids(request, self.started.tokenizer, sizing.vocab_size,
+                                                   sizing.max_model_len)
+        params = generate_request.sampling_params(request, sizing.vocab_size)
         return Sequence(uuid.uuid4().hex, prompt, params, sizing.max_model_len, self.started.engine.eos_token_ids)
 
     def info(self) -> exec_pb2.ModelInfo:

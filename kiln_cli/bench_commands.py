@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
-from kiln.cli.compile_commands import DEFAULT_STORE, model_spec
-from kiln.cli.exec_commands import RUNTIME_MODES
-from kiln.cli.output import report_rpc_error
-from kiln.cli.service_process import LocalServices, ServiceFailed
+from exec_service.telemetry.forward_stats import stats_line
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln_cli.compile_commands import DEFAULT_STORE, model_spec
+from kiln_cli.exec_commands import RUNTIME_MODES
+from kiln_cli.output import report_rpc_error
+from kiln_cli.service_process import LocalServices, ServiceFailed
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
-from tracing.forward_stats import stats_line
 
 
 def register(subparsers) -> None:

@@ -9,8 +9,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from exec_service.block_manager import BlockManager
-from exec_service.sequence import Sequence, SequenceStatus
+from exec_service.engine.block_manager import BlockManager
+from exec_service.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from exec_service import kv_cache
-from exec_service.cuda_graphs import CUDAGraphs
-from exec_service.engine_config import EngineConfig
-from exec_service.forward_timer import ForwardTimer
-from exec_service.sampler import Sampler
-from exec_service.scheduler import ScheduledBatch
-from exec_service.sequence import SamplingParams, Sequence
-from exec_service.step_inputs import StepInputs, prepare
+from exec_service.engine import kv_cache
+from exec_service.engine.cuda_graphs import CUDAGraphs
+from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.forward_timer import ForwardTimer
+from exec_service.engine.sampler import Sampler
+from exec_service.engine.scheduler import ScheduledBatch
+from exec_service.engine.sequence import SamplingParams, Sequence
+from exec_service.engine.step_inputs import StepInputs, prepare
 from kiln import bundle
 from kiln.counters import expect_no_compile
 from kiln.errors import FailedPrecondition, first_line

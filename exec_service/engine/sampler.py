@@ -7,7 +7,7 @@ generator, so its tokens do not depend on which other requests share the step.
 
 import torch
 
-from exec_service.sequence import Sequence
+from exec_service.engine.sequence import Sequence
 
 
 class Sampler:

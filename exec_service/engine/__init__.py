@@ -1,0 +1,3 @@
+"""The serving loop and what it drives: scheduler, KV blocks, sequences, sampler and the model runner.
+
+Python types only: the engine knows nothing of gRPC or protobuf; the API edge (exec_service.api) converts."""

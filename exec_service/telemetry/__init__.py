@@ -1,0 +1,1 @@
+"""The execute service's own telemetry: forward time per batch size, the request spans, and their assembly."""
