@@ -11,8 +11,10 @@ from kiln import bundle
 from kiln.artifact_store import FilesystemStore, check_key
 from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument, NotFound
-from kiln.grpc_server import ProgressEvents, Server, status_errors
+from kiln.grpc_server import UNGUARDED, ProgressEvents, Server, ServerSecurity, is_loopback, status_errors
+from kiln.model_roots import ModelRoots
 from kiln.model_spec import resolve
+from kiln.signing import Signer, TrustedKeys
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -23,13 +25,14 @@ MAX_CHUNK_BYTES = 4 << 20
 
 
 class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
-    def __init__(self, store: FilesystemStore):
+    def __init__(self, store: FilesystemStore, roots: ModelRoots):
         self.store = store
+        self.roots = roots
 
     @status_errors
     async def Compile(self, request, context):
         config = CompileConfig.from_proto(request.config)
-        model = resolve(request.model, config.device)
+        model = resolve(request.model, config.device, self.roots)
         events = ProgressEvents()
         started = time.monotonic()
 
@@ -92,10 +95,20 @@ def _result(outcome: CompileOutcome) -> compile_pb2.CompileResult:
         num_splits=outcome.num_splits)
 
 
-async def start_compile_server(store_dir: str | Path, address: str, interceptors=()) -> tuple[Server, int]:
-    """Build, bind and start; returns the server and its port (address may say port 0)."""
-    server = Server([SERVICE_NAME], interceptors)
-    compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(FilesystemStore(store_dir)), server.server)
+async def start_compile_server(store_dir: str | Path, address: str, interceptors=(), *, signer: Signer,
+                               trusted: TrustedKeys | None = None, security: ServerSecurity = UNGUARDED,
+                               model_roots=()) -> tuple[Server, int]:
+    """Build, bind and start; returns the server and its port (address may say port 0).
+
+    Every bundle committed is signed with ``signer``; a bundle in the store counts as present only when it verifies
+    against the signer's own key or one of ``trusted`` (a rotated-out key whose bundles are still good).
+    """
+    trusted = (trusted or TrustedKeys([])).with_key(signer.public_key)
+    store = FilesystemStore(store_dir, signer=signer, trusted=trusted)
+    roots = ModelRoots.for_server(model_roots, loopback=is_loopback(address))
+    server = Server([SERVICE_NAME], interceptors, security)
+    compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(store, roots), server.server)
     port = await server.start(address)
-    log.info("compile service listening on port %d, store %s", port, store_dir)
+    log.info("compile service listening on %s (port %d), store %s, signing as %s, model roots: %s", address, port,
+             store_dir, signer.key_id, roots.describe())
     return server, port

@@ -22,8 +22,19 @@ from exec_service.telemetry.forward_stats import ForwardStats
 from exec_service.telemetry.request_spans import RequestSpans
 from kiln import bundle
 from kiln.artifact_store import FilesystemStore
-from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, first_line
-from kiln.grpc_server import CHANNEL_OPTIONS, ProgressEvents, Server, status_errors
+from kiln.client_security import PLAINTEXT, ClientSecurity
+from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, first_line, quote
+from kiln.grpc_server import (
+    CHANNEL_OPTIONS,
+    UNGUARDED,
+    ProgressEvents,
+    Server,
+    ServerSecurity,
+    is_loopback,
+    status_errors,
+)
+from kiln.model_roots import ModelRoots
+from kiln.signing import TrustedKeys
 from protos import exec_pb2, exec_pb2_grpc
 from tracing.grpc_instrumentation import instrumented_channel
 
@@ -39,9 +50,10 @@ def health_name(model: str) -> str:
 
 class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
     def __init__(self, server: Server, fetcher: BundleFetcher, forward_stats: ForwardStats,
-                 step_observers: list[StepObserver], request_spans: RequestSpans):
+                 step_observers: list[StepObserver], request_spans: RequestSpans, roots: ModelRoots):
         self.server = server
         self.fetcher = fetcher
+        self.roots = roots
         self.forward_stats = forward_stats
         self.step_observers = step_observers  # handed to every engine: forward spans hang here
         self.request_spans = request_spans  # forward spans watch them, to link to the requests they served
@@ -49,11 +61,11 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
 
     @status_errors
     async def LoadModel(self, request, context):
-        target = LoadTarget.from_request(request)
+        target = LoadTarget.from_request(request, self.roots)
         previous = self.models.get(target.name)
         if previous is not None and previous.state != exec_pb2.MODEL_STATE_FAILED:
-            raise AlreadyExists(f"name: a model named {target.name!r} is already loaded or loading; unload it or "
-                                f"choose another name")
+            raise AlreadyExists(f"name: a model named {quote(target.name)} is already loaded or loading; unload it "
+                                f"or choose another name")
         served = self.models[target.name] = ServedModel(target.name)
         await self.server.set_serving(health_name(target.name), False)
         progress = ProgressEvents()
@@ -82,7 +94,7 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
     async def UnloadModel(self, request, context):
         served = self._model(request.name, "name")
         if served.state == exec_pb2.MODEL_STATE_LOADING:
-            raise FailedPrecondition(f"name: {request.name!r} is still loading; unload it once LoadModel ends")
+            raise FailedPrecondition(f"name: {quote(request.name)} is still loading; unload it once LoadModel ends")
         del self.models[request.name]
         await self.server.set_serving(health_name(request.name), False)
         if served.started is not None:
@@ -119,7 +131,7 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
     async def GetForwardStats(self, request, context):
         stats = self.forward_stats.snapshot(request.model or None, request.reset)
         if request.model and not stats and request.model not in self.models:
-            raise NotFound(f"model: no model named {request.model!r}")
+            raise NotFound(f"model: no model named {quote(request.model)}")
         return exec_pb2.GetForwardStatsResponse(stats=[
             exec_pb2.BatchSizeStats(model=s.model, batch_size=s.batch_size, count=s.count, median_ms=s.median_ms,
                                     p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode)
@@ -129,7 +141,7 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         served = self.models.get(name)
         if served is None:
             known = ", ".join(sorted(self.models)) or "none"
-            raise NotFound(f"{field}: no model named {name!r} (loaded: {known})")
+            raise NotFound(f"{field}: no model named {quote(name)} (loaded: {quote(known)})")
         return served
 
 
@@ -147,23 +159,30 @@ def _release(served: ServedModel) -> None:
 async def start_exec_server(address: str, compile_address: str | None = None, store_dir: str | Path | None = None,
                             cache_dir: str | Path = DEFAULT_CACHE_DIR, interceptors: Iterable = (),
                             step_observers: Iterable[StepObserver] = (), forward_stats: ForwardStats | None = None,
-                            request_spans: RequestSpans | None = None) -> tuple[Server, int]:
+                            request_spans: RequestSpans | None = None, *, trusted: TrustedKeys,
+                            security: ServerSecurity = UNGUARDED, client: ClientSecurity = PLAINTEXT,
+                            model_roots: Iterable[str | Path] = ()) -> tuple[Server, int]:
     """Build, bind and start; returns the server and its port (address may say port 0).
 
     With ``store_dir`` (a store shared with the compile service) bundles are read in place; otherwise they are
-    downloaded from the compile service into ``cache_dir`` once and reused. Observers that report the forward
-    stats or link to requests share ``forward_stats`` and ``request_spans`` (as a watcher) with the server.
+    downloaded from the compile service into ``cache_dir`` once and reused; either way only a bundle signed by one
+    of ``trusted`` is loaded. ``client`` is how this server calls the compile service (TLS, token). Observers that
+    report the forward stats or link to requests share ``forward_stats`` and ``request_spans`` (as a watcher).
     """
     await asyncio.to_thread(bundle.preload_runtime)
     store = FilesystemStore(store_dir if store_dir is not None else cache_dir)
     # Instrumented (once init_tracing ran): Compile and GetArtifact carry this trace to the compile service.
-    channel = instrumented_channel(compile_address, CHANNEL_OPTIONS) if compile_address else None
-    fetcher = BundleFetcher(store, shared=store_dir is not None, compile_channel=channel)
-    server = Server([SERVICE_NAME], interceptors)
+    channel = instrumented_channel(compile_address, CHANNEL_OPTIONS, credentials=client.credentials(),
+                                   interceptors=client.interceptors()) if compile_address else None
+    fetcher = BundleFetcher(store, shared=store_dir is not None, compile_channel=channel, trusted=trusted)
+    roots = ModelRoots.for_server(model_roots, loopback=is_loopback(address))
+    server = Server([SERVICE_NAME], interceptors, security)
     servicer = ExecServicer(server, fetcher, forward_stats if forward_stats is not None else ForwardStats(),
-                            list(step_observers), request_spans if request_spans is not None else RequestSpans())
+                            list(step_observers), request_spans if request_spans is not None else RequestSpans(),
+                            roots)
     exec_pb2_grpc.add_ExecServiceServicer_to_server(servicer, server.server)
     port = await server.start(address)
-    log.info("exec service listening on port %d, compile service %s, %s %s", port, compile_address or "none",
-             "shared store" if store_dir is not None else "cache", store.root)
+    log.info("exec service listening on %s (port %d), compile service %s, %s %s, trusting %s, model roots: %s",
+             address, port, compile_address or "none", "shared store" if store_dir is not None else "cache",
+             store.root, ", ".join(sorted(trusted.keys)) or "no key", roots.describe())
     return server, port

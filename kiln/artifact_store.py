@@ -1,11 +1,14 @@
 """Where bundles live: a small store interface and its filesystem backend (the embedded default).
 
 Writes are atomic (a staging directory renamed into place); a bundle that fails its sha256 check is removed and
-reported missing, so it is recompiled, never served. Another backend (object store, Redis) is one more class
-with the methods of ArtifactStore.
+reported missing, so it is recompiled, never served. The compile service's store signs what it commits and, on a
+read, takes as present only a bundle signed by a key it trusts: whoever else can write the directory can plant
+bytes there but not a hit. Another backend (object store, Redis) is one more class with the methods of
+ArtifactStore.
 """
 
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -18,8 +21,11 @@ from pathlib import Path
 from typing import Protocol
 
 from kiln import bundle
-from kiln.bundle import CorruptBundle, Manifest
-from kiln.errors import InvalidArgument
+from kiln.bundle import CorruptBundle, Manifest, UntrustedBundle
+from kiln.errors import InvalidArgument, quote
+from kiln.signing import Signer, TrustedKeys
+
+log = logging.getLogger(__name__)
 
 _LAST_USED = ".last_used"
 
@@ -32,7 +38,7 @@ def is_key(key: str) -> bool:
 def check_key(digest: str) -> None:
     """INVALID_ARGUMENT naming the request field, for a key a client sent."""
     if not is_key(digest):
-        raise InvalidArgument(f"key.digest: {digest!r} is not a 64-character hex sha256")
+        raise InvalidArgument(f"key.digest: {quote(digest)} is not a 64-character hex sha256")
 
 
 @dataclass
@@ -55,10 +61,17 @@ class ArtifactStore(Protocol):
 
 
 class FilesystemStore:
-    """Bundles as directories ``ROOT/<key>/``; staging under ``ROOT/.staging``, locks under ``ROOT/.locks``."""
+    """Bundles as directories ``ROOT/<key>/``; staging under ``ROOT/.staging``, locks under ``ROOT/.locks``.
 
-    def __init__(self, root: Path | str):
+    With a ``signer``, every commit is signed; with ``trusted`` keys, a bundle is present only when its signature
+    verifies (the compile service's store). Without them (the execute service's), the fetcher checks signatures
+    itself, so that a refused bundle is reported as refused rather than as missing.
+    """
+
+    def __init__(self, root: Path | str, signer: Signer | None = None, trusted: TrustedKeys | None = None):
         self.root = Path(root).expanduser()
+        self.signer = signer
+        self.trusted = trusted
         # A store mounted read-only (the exec service's view of a shared volume) is read, never written: bundles
         # appear there by atomic rename, so a reader needs no lock, and it leaves last-used times to the writer.
         self.read_only = self.root.is_dir() and not os.access(self.root, os.W_OK)
@@ -98,8 +111,9 @@ class FilesystemStore:
         stamp = self._stamp(path)
         if self._verified.get(key) != stamp:
             try:
-                bundle.verify(path)
-            except CorruptBundle:
+                self._verify(key, path)
+            except (CorruptBundle, UntrustedBundle) as exc:
+                log.warning("store %s: bundle %s set aside: %s", self.root, key[:12], exc)
                 if self.read_only:
                     return None
                 self._remove(path)
@@ -108,6 +122,12 @@ class FilesystemStore:
             self._verified[key] = stamp
         self.touch(key)
         return path
+
+    def _verify(self, key: str, path: Path) -> None:
+        if self.trusted is None:
+            bundle.verify(path)
+        else:
+            bundle.verify_signed(path, key, self.trusted)
 
     def touch(self, key: str) -> None:
         if not self.read_only:
@@ -119,6 +139,8 @@ class FilesystemStore:
     def commit(self, key: str, staged: Path) -> Path:
         """Move a fully written staging directory into place (atomic rename on one filesystem)."""
         target = self.path(key)
+        if self.signer is not None:
+            bundle.sign(staged, self.signer)
         if target.exists():
             self._remove(target)
         os.rename(staged, target)

@@ -1,6 +1,9 @@
-"""The artifact bundle: a directory with the compiled function, its key factors and a manifest of sha256s.
+"""The artifact bundle: a directory with the compiled function, its key factors, a manifest of sha256s and the
+compile service's signature over that manifest.
 
-A bundle travels as an uncompressed tar stream whose own sha256 is sent ahead of it.
+The compiled function is a pickle: it is unpickled only from bytes whose sha256 a trusted key signed (through the
+manifest), read once into memory so that what was checked is what is loaded. A bundle travels as an uncompressed
+tar stream whose own sha256 is sent ahead of it.
 """
 
 import hashlib
@@ -10,13 +13,27 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.errors import FailedPrecondition
+from kiln.signing import Signature, Signer, TrustedKeys, UntrustedSignature
+
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"
 KEY_FACTORS = "key_factors.json"
 COMPILED_FN = "compiled_fn.bin"
+# Not covered by the manifest: the manifest itself, its signature, and the store's last-used stamp.
+_UNLISTED = {MANIFEST, SIGNATURE, ".last_used"}
 
 
 class CorruptBundle(Exception):
     """A bundle on disk or on the wire does not match its recorded sha256 or size."""
+
+
+class UntrustedBundle(FailedPrecondition):
+    """A bundle that is unsigned, signed by a key not trusted here, or not what its signed manifest says."""
+
+    def __init__(self, key: str, signer: str, reason: str):
+        super().__init__(f"bundle {key}: {reason} (signer: {signer}); refused, nothing of it was loaded")
+        self.signer = signer
 
 
 def sha256_file(path: Path) -> str:
@@ -55,7 +72,7 @@ def write_manifest(bundle_dir: Path, **fields) -> Manifest:
     files = {
         p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
         for p in sorted(bundle_dir.iterdir())
-        if p.name != MANIFEST
+        if p.name not in _UNLISTED
     }
     manifest = Manifest(files=files, **fields)
     (bundle_dir / MANIFEST).write_text(manifest.to_json())
@@ -79,6 +96,59 @@ def verify(bundle_dir: Path) -> Manifest:
         if sha256_file(path) != entry["sha256"]:
             raise CorruptBundle(f"{name}: sha256 differs from the manifest")
     return manifest
+
+
+def sign(bundle_dir: Path, signer: Signer) -> None:
+    """Sign the manifest's exact bytes: its key, and through each file's sha256 and size, the key factors and the
+    compiled function."""
+    manifest = (bundle_dir / MANIFEST).read_bytes()
+    (bundle_dir / SIGNATURE).write_text(signer.sign(manifest).to_json())
+
+
+def verify_signed(bundle_dir: Path, key: str, trusted: TrustedKeys) -> Manifest:
+    """The manifest, once its signature verifies against a trusted key, it names ``key``, and every file it lists
+    matches; UntrustedBundle (FAILED_PRECONDITION, naming the key and the signer) otherwise."""
+    manifest, signer = _signed_manifest(bundle_dir, key, trusted)
+    for name in manifest.files:
+        _read_listed(bundle_dir, name, manifest, signer)
+    return manifest
+
+
+def _signed_manifest(bundle_dir: Path, key: str, trusted: TrustedKeys) -> tuple[Manifest, str]:
+    """The manifest parsed from the very bytes whose signature verified, and the signer's key id."""
+    try:
+        signature = Signature.from_json((bundle_dir / SIGNATURE).read_text())
+    except OSError:
+        raise UntrustedBundle(key, "none", f"unsigned (no {SIGNATURE})") from None
+    except UntrustedSignature as exc:
+        raise UntrustedBundle(key, "unreadable", str(exc)) from None
+    try:
+        data = (bundle_dir / MANIFEST).read_bytes()
+        trusted.verify(data, signature)
+        manifest = Manifest.from_json(data.decode())
+    except OSError:
+        raise UntrustedBundle(key, signature.signer, f"no readable {MANIFEST}") from None
+    except UntrustedSignature as exc:
+        raise UntrustedBundle(key, signature.signer, str(exc)) from None
+    except (ValueError, TypeError) as exc:
+        raise UntrustedBundle(key, signature.signer, f"its signed manifest does not parse: {exc}") from None
+    if manifest.key != key:
+        raise UntrustedBundle(key, signature.signer, f"its signed manifest is for another key, {manifest.key}")
+    if COMPILED_FN not in manifest.files or KEY_FACTORS not in manifest.files:
+        raise UntrustedBundle(key, signature.signer, "its signed manifest lists no compiled function")
+    return manifest, signature.signer
+
+
+def _read_listed(bundle_dir: Path, name: str, manifest: Manifest, signer: str) -> bytes:
+    """A file's bytes, read once, after checking them against the signed manifest's size and sha256."""
+    entry = manifest.files[name]
+    try:
+        data = (bundle_dir / name).read_bytes()
+    except OSError:
+        raise UntrustedBundle(manifest.key, signer, f"{name} is missing") from None
+    if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise UntrustedBundle(manifest.key, signer, f"{name} differs from its signed sha256")
+    return data
 
 
 def pack(bundle_dir: Path) -> bytes:
@@ -123,15 +193,17 @@ def preload_runtime() -> None:
         pass
 
 
-def load_compiled(bundle_dir: Path):
+def load_compiled(bundle_dir: Path, key: str, trusted: TrustedKeys):
     """The compiled function of a bundle, called as ``fn(token_model, input_ids, positions)``; never compiles.
 
-    torch checks Python, torch, CUDA, Triton and GPU itself and raises RuntimeError on a mismatch; callers check
-    the key factors first so that a user sees which factor differs.
+    Unpickles only bytes read once into memory and checked against the manifest a trusted key signed, so a file
+    swapped after an earlier check is never what runs. torch checks Python, torch, CUDA, Triton and GPU itself and
+    raises RuntimeError on a mismatch; callers check the key factors first so that a user sees which factor differs.
     """
     import torch
 
     import kiln.attention  # noqa: F401  (registers kiln::attention, which the split graph calls between pieces)
 
-    with open(bundle_dir / COMPILED_FN, "rb") as f:
-        return torch.compiler.load_compiled_function(f)
+    manifest, signer = _signed_manifest(bundle_dir, key, trusted)
+    data = _read_listed(bundle_dir, COMPILED_FN, manifest, signer)
+    return torch.compiler.load_compiled_function(io.BytesIO(data))

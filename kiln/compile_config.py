@@ -4,7 +4,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from kiln.attention import ATTENTION_OP_NAME
-from kiln.errors import InvalidArgument
+from kiln.errors import InvalidArgument, quote
+from kiln.inductor_options import parse_patches
 from kiln.model_spec import default_device
 from protos import common_pb2
 
@@ -37,7 +38,7 @@ class CompileConfig:
         """Validate a wire config; every error names its field."""
         device = msg.device or default_device()
         if device not in ("cpu", "cuda"):
-            raise InvalidArgument(f"config.device: {device!r} is not 'cpu' or 'cuda'")
+            raise InvalidArgument(f"config.device: {quote(device)} is not 'cpu' or 'cuda'")
         if device == "cuda":
             import torch
 
@@ -50,22 +51,15 @@ class CompileConfig:
         for op in splitting_ops:
             if op not in KNOWN_SPLITTING_OPS:
                 raise InvalidArgument(
-                    f"config.splitting_ops: unknown op {op!r}; known: {', '.join(KNOWN_SPLITTING_OPS)}"
+                    f"config.splitting_ops: unknown op {quote(op)}; known: {', '.join(KNOWN_SPLITTING_OPS)}"
                 )
         for size in msg.compile_sizes:
             if not 1 <= size <= max_tokens:
                 raise InvalidArgument(
                     f"config.compile_sizes: {size} is outside the symbolic range [1, {max_tokens}]"
                 )
-        patches = {}
-        if msg.inductor_config_patches_json:
-            try:
-                patches = json.loads(msg.inductor_config_patches_json)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"config.inductor_config_patches_json: malformed JSON: {exc}") from None
-            if not isinstance(patches, dict):
-                raise InvalidArgument("config.inductor_config_patches_json: expected a JSON object")
-            _check_inductor_patches(patches)
+        # Only options on Kiln's allowlist: some others name binaries, paths or callables (kiln/inductor_options.py).
+        patches = parse_patches(msg.inductor_config_patches_json) if msg.inductor_config_patches_json else {}
         return cls(
             splitting_ops=tuple(dict.fromkeys(splitting_ops)),
             compile_sizes=tuple(sorted(set(msg.compile_sizes))),
@@ -83,11 +77,3 @@ class CompileConfig:
             device=self.device,
         )
 
-
-def _check_inductor_patches(patches: dict) -> None:
-    from torch._inductor import config as inductor_config
-
-    known = inductor_config.get_config_copy()
-    for name in patches:
-        if name not in known:
-            raise InvalidArgument(f"config.inductor_config_patches_json: {name!r} is not an Inductor config option")

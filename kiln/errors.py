@@ -21,6 +21,14 @@ class AlreadyExists(KilnError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class PermissionDenied(KilnError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unauthenticated(KilnError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class FailedPrecondition(KilnError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -35,6 +43,19 @@ class Unavailable(KilnError):
 
 class Internal(KilnError):
     code = grpc.StatusCode.INTERNAL
+
+
+# Client input quoted in a status message is cut to this many characters: a long name must not turn the real error
+# into a trailer too large for gRPC's metadata limit.
+QUOTE_CHARS = 200
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` for a status message, cut to ``limit`` characters with how much was left out."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def first_line(exc: BaseException) -> str:

@@ -1,26 +1,71 @@
-"""What both services' gRPC servers share: error mapping, health, reflection, graceful shutdown."""
+"""What both services' gRPC servers share: error mapping, health, reflection, graceful shutdown, and the
+security of the port: TLS, bearer tokens, the request size cap, and a loud warning for an open port."""
 
 import asyncio
 import functools
 import inspect
+import ipaddress
 import logging
 import signal
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kiln.auth import TokenAuth, TokenTable
 from kiln.errors import KilnError, first_line
+from kiln.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
-# Bundles are tens of MB; single messages stay small (GetArtifact streams), but allow headroom for configs.
+# What a client receives: bundles are tens of MB, but GetArtifact streams them in chunks of at most 4 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# What a server accepts in one request message: requests are configs and prompts, never bundles.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+DEFAULT_HOST = "127.0.0.1"
+# A status message longer than this is cut: gRPC carries it in a trailer, and an oversized one replaces the real
+# error with a metadata-size failure.
+MAX_STATUS_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How a server guards its port; the defaults are a plaintext, tokenless server for loopback."""
+
+    tls: ServerTls | None = None
+    tokens: TokenTable | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+# No TLS, no tokens, the default request cap: tests' and the demo's loopback servers.
+UNGUARDED = ServerSecurity()
+
+
+def host_of(address: str) -> str:
+    """The host of ``host:port``, ``[v6]:port`` or ``v6-literal:port``."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host.strip("[]")
+
+
+def is_loopback(address: str) -> bool:
+    """True when ``address`` binds loopback only; a host name other than localhost counts as not loopback."""
+    host = host_of(address)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _cut(message: str) -> str:
+    return message if len(message) <= MAX_STATUS_CHARS else message[:MAX_STATUS_CHARS] + "... (cut)"
 
 
 def status_errors(method):
@@ -28,9 +73,9 @@ def status_errors(method):
 
     async def abort(context, exc: Exception):
         if isinstance(exc, KilnError):
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, _cut(str(exc)))
         log.exception("unexpected error in %s", method.__name__)
-        await context.abort(grpc.StatusCode.INTERNAL, first_line(exc))
+        await context.abort(grpc.StatusCode.INTERNAL, _cut(first_line(exc)))
 
     if inspect.isasyncgenfunction(method):
 
@@ -84,10 +129,16 @@ class ProgressEvents:
 
 
 class Server:
-    """A grpc.aio server with the standard health service and server reflection."""
+    """A grpc.aio server with the standard health service and server reflection, guarded as ``security`` says."""
 
-    def __init__(self, service_names: Iterable[str], interceptors: Iterable = ()):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+    def __init__(self, service_names: Iterable[str], interceptors: Iterable = (),
+                 security: ServerSecurity = UNGUARDED):
+        self.security = security
+        guards = [TokenAuth(security.tokens)] if security.tokens else []
+        # Requests over the cap are RESOURCE_EXHAUSTED from gRPC itself, before any handler sees a byte.
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", security.max_request_bytes)]
+        self.server = grpc.aio.server(options=options, interceptors=[*interceptors, *guards])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -101,13 +152,27 @@ class Server:
         await self.health.set(name, status)
 
     async def start(self, address: str) -> int:
-        port = self.server.add_insecure_port(address)
+        tls = self.security.tls
+        port = (self.server.add_secure_port(address, tls.credentials()) if tls
+                else self.server.add_insecure_port(address))
         if port == 0:
             raise OSError(f"cannot bind {address}")
+        self._warn_if_open(address)
         await self.server.start()
         for name in ["", *self.service_names]:
             await self.set_serving(name, True)
         return port
+
+    def _warn_if_open(self, address: str) -> None:
+        """One loud line when a port off loopback lacks TLS or tokens: what it leaves open, and to whom."""
+        if is_loopback(address):
+            return
+        missing = [what for what, present in (("TLS (--tls-cert/--tls-key)", self.security.tls),
+                                              ("tokens (--auth-token-file)", self.security.tokens)) if not present]
+        if missing:
+            log.warning("SECURITY: listening on %s without %s: anyone who can reach this port can call every RPC "
+                        "of %s%s", address, " and without ".join(missing), ", ".join(self.service_names),
+                        " and read every byte in plaintext" if not self.security.tls else "")
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()

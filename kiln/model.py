@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import kiln.attention  # noqa: F401  (registers the "kiln" attention implementation)
 from kiln.attention import ATTENTION_IMPLEMENTATION
-from kiln.errors import InvalidArgument, NotFound
+from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.model_spec import ResolvedModel
 
 
@@ -51,14 +51,14 @@ def _load_pretrained(weights: str, model: ResolvedModel, device: str) -> PreTrai
 
     path = Path(weights)
     if not path.is_dir() or not any(path.glob("*.safetensors")):
-        raise NotFound(f"weights: {weights!r} is neither 'dummy' nor a directory with *.safetensors")
+        raise NotFound(f"weights: {quote(weights)} is neither 'dummy' nor a directory with *.safetensors")
     try:
         # Moved after loading: device_map would need accelerate, which Kiln does not depend on.
         return AutoModelForCausalLM.from_pretrained(
             path, config=model.config, dtype=model.dtype, use_safetensors=True
         ).to(device)
     except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"weights: cannot load {path}: {exc}") from None
+        raise InvalidArgument(f"weights: cannot load {quote(weights)}: {quote(str(exc))}") from None
 
 
 def weights_bytes(module: torch.nn.Module) -> int:

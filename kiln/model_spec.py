@@ -7,8 +7,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from kiln.errors import InvalidArgument, NotFound
+from kiln.errors import InvalidArgument, NotFound, quote
+from kiln.model_roots import ModelRoots
 from protos import common_pb2
+
+# A model config is a few KB; past this it is refused before it is parsed.
+MAX_CONFIG_JSON_BYTES = 1 << 20
 
 PRESETS: dict[str, dict] = {
     # Small enough for CPU CI: two layers, so two attention calls and three compiled pieces.
@@ -68,21 +72,27 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve(spec: common_pb2.ModelSpec, device: str) -> ResolvedModel:
-    """Turn a wire ModelSpec into an HF config and dtype, or raise a status the client can act on."""
+def resolve(spec: common_pb2.ModelSpec, device: str, roots: ModelRoots | None = None) -> ResolvedModel:
+    """Turn a wire ModelSpec into an HF config and dtype, or raise a status the client can act on. A directory is
+    read only under ``roots`` (none given: no directory at all)."""
     source = spec.WhichOneof("source")
     hf_dir = None
     if source == "preset":
         if spec.preset not in PRESETS:
-            raise NotFound(f"model.preset: unknown preset {spec.preset!r}; known: {', '.join(sorted(PRESETS))}")
+            raise NotFound(f"model.preset: unknown preset {quote(spec.preset)}; known: {', '.join(sorted(PRESETS))}")
         name, raw = spec.preset, dict(PRESETS[spec.preset])
     elif source == "hf_dir":
-        hf_dir = Path(spec.hf_dir)
+        hf_dir = (roots or ModelRoots()).check_dir(spec.hf_dir, "model.hf_dir")
         config_path = hf_dir / "config.json"
         if not config_path.is_file():
-            raise NotFound(f"model.hf_dir: no config.json in {hf_dir}")
-        name, raw = hf_dir.name, _parse_json(config_path.read_text(), "model.hf_dir config.json")
+            raise NotFound(f"model.hf_dir: no config.json in {quote(spec.hf_dir)}")
+        if config_path.stat().st_size > MAX_CONFIG_JSON_BYTES:
+            raise InvalidArgument(f"model.hf_dir: its config.json is over {MAX_CONFIG_JSON_BYTES} bytes")
+        name, raw = Path(spec.hf_dir).name, _parse_json(config_path.read_text(), "model.hf_dir config.json")
     elif source == "config_json":
+        if len(spec.config_json) > MAX_CONFIG_JSON_BYTES:  # characters: a lower bound on its bytes
+            raise InvalidArgument(f"model.config_json: {len(spec.config_json)} characters, over the "
+                                  f"{MAX_CONFIG_JSON_BYTES}-byte limit")
         raw = _parse_json(spec.config_json, "model.config_json")
         name = raw.get("model_type", "model")
     else:
@@ -104,18 +114,18 @@ def _build_config(raw: dict) -> PretrainedConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise InvalidArgument(
-            f"model config: model_type {model_type!r} is not a supported decoder architecture; "
+            f"model config: model_type {quote(model_type)} is not a supported decoder architecture; "
             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **fields)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"model config: {exc}") from None
+        raise InvalidArgument(f"model config: {quote(str(exc))}") from None
 
 
 def _dtype(name: str, device: str) -> torch.dtype:
     if not name:
         return torch.bfloat16 if device == "cuda" else torch.float32
     if name not in DTYPES:
-        raise InvalidArgument(f"model.dtype: {name!r} is not one of {', '.join(DTYPES)}")
+        raise InvalidArgument(f"model.dtype: {quote(name)} is not one of {', '.join(DTYPES)}")
     return DTYPES[name]

@@ -5,10 +5,18 @@ import logging
 import os
 import sys
 
-from kiln_cli import bench_commands, compile_commands, demo_commands, exec_commands, health_commands
+from kiln_cli import (
+    bench_commands,
+    compile_commands,
+    demo_commands,
+    exec_commands,
+    health_commands,
+    keygen_commands,
+    security_args,
+)
 
 # Each module contributes its subcommands with register(subparsers); handlers return an exit code.
-COMMAND_MODULES = [compile_commands, exec_commands, health_commands, demo_commands, bench_commands]
+COMMAND_MODULES = [compile_commands, exec_commands, health_commands, demo_commands, bench_commands, keygen_commands]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    return args.handler(args) or 0
+    try:
+        return args.handler(args) or 0
+    except security_args.SETTING_ERRORS as exc:  # a key, certificate or token file the command cannot use
+        return security_args.refuse_setting(exc)
 
 
 if __name__ == "__main__":

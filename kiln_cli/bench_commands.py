@@ -16,7 +16,9 @@ import grpc
 from google.protobuf import json_format
 
 from exec_service.telemetry.forward_stats import stats_line
+from kiln.client_security import PLAINTEXT, ClientSecurity
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln_cli import security_args
 from kiln_cli.compile_commands import DEFAULT_STORE, model_spec
 from kiln_cli.exec_commands import RUNTIME_MODES
 from kiln_cli.output import report_rpc_error
@@ -43,6 +45,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    security_args.add_client_args(p)  # towards --exec-server
     p.set_defaults(handler=run_latency)
 
 
@@ -61,12 +64,13 @@ def run_latency(args) -> int:
         print(f"error: -O: not a CompileConfig: {exc}", file=sys.stderr)
         return 2
     if args.exec_server:
-        return _report(lambda: asyncio.run(_bench(args.exec_server, args, config)))
+        client = security_args.client_security(args)
+        return _report(lambda: asyncio.run(_bench(args.exec_server, args, config, client)))
     workdir = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
     services = LocalServices(workdir, Path(args.store).expanduser())
     try:
         services.start(300)
-        code = _report(lambda: asyncio.run(_bench(services.exec.address, args, config)))
+        code = _report(lambda: asyncio.run(_bench(services.exec.address, args, config, PLAINTEXT)))
         services.stop()
         return code
     except ServiceFailed as exc:
@@ -84,13 +88,13 @@ def _report(run) -> int:
         return report_rpc_error(exc)
 
 
-async def _bench(address: str, args, config: common_pb2.CompileConfig) -> None:
+async def _bench(address: str, args, config: common_pb2.CompileConfig, client: ClientSecurity) -> None:
     name = f"bench-latency-{args.runtime_mode or 'default'}"
     request = exec_pb2.LoadModelRequest(
         name=name, model=model_spec(args.model, args.dtype), config=config, max_num_seqs=args.max_num_seqs,
         kv_cache_bytes=args.kv_cache_bytes,
         runtime_mode=RUNTIME_MODES.get(args.runtime_mode, exec_pb2.RUNTIME_MODE_UNSPECIFIED))
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    async with client.aio_channel(address, CHANNEL_OPTIONS) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
         async for event in stub.LoadModel(request):
             if event.HasField("ready"):

@@ -6,6 +6,7 @@ from pathlib import Path
 import grpc
 
 from kiln.grpc_server import CHANNEL_OPTIONS, serve_until_signal
+from kiln_cli import security_args
 from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
@@ -15,8 +16,13 @@ DEFAULT_STORE = os.environ.get("KILN_STORE", str(Path.home() / ".cache" / "kiln"
 def register(subparsers) -> None:
     p = subparsers.add_parser("compile-server", help="run the compile service")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--store", default=DEFAULT_STORE, help="artifact store directory (default: %(default)s)")
+    p.add_argument("--signing-key", default=os.environ.get("KILN_SIGNING_KEY"),
+                   help="Ed25519 private key every bundle is signed with (kiln keygen DIR writes one)")
+    p.add_argument("--trusted-keys", default=os.environ.get("KILN_TRUSTED_KEYS"),
+                   help="public keys (file or directory of *.pub) whose bundles in the store still count as hits: "
+                        "keys rotated out")
+    security_args.add_server_args(p)
     p.set_defaults(handler=run_compile_server)
 
     p = subparsers.add_parser("compile", help="compile a model on a compile service")
@@ -24,6 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--server", default="localhost:50051")
     add_compile_config_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    security_args.add_client_args(p)
     p.set_defaults(handler=run_compile)
 
     p = subparsers.add_parser("artifacts", help="list or remove stored bundles")
@@ -31,6 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("keys", nargs="*", help="keys to remove (rm)")
     p.add_argument("--server", default="localhost:50051")
     p.add_argument("--json", action="store_true")
+    security_args.add_client_args(p)
     p.set_defaults(handler=run_artifacts)
 
 
@@ -64,13 +72,23 @@ def compile_config(args) -> common_pb2.CompileConfig:
 
 def run_compile_server(args) -> int:
     from compile_service.server import start_compile_server
+    from kiln.signing import Signer, TrustedKeys
     from tracing.grpc_instrumentation import server_interceptors
     from tracing.setup import init_tracing
 
+    if not args.signing_key:
+        return security_args.refuse_setting(ValueError(
+            "the compile service signs every bundle: pass --signing-key FILE (or KILN_SIGNING_KEY); "
+            "`kiln keygen DIR` writes a key pair"))
+    signer = Signer.load(args.signing_key)
+    trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
+    security = security_args.server_security(args)
     telemetry = init_tracing("kiln-compile")
 
     try:
-        serve_until_signal(lambda: start_compile_server(args.store, f"{args.host}:{args.port}", server_interceptors()))
+        serve_until_signal(lambda: start_compile_server(
+            args.store, f"{args.host}:{args.port}", server_interceptors(), signer=signer, trusted=trusted,
+            security=security, model_roots=security_args.model_roots(args)))
     finally:
         telemetry.shutdown()
     return 0
@@ -94,10 +112,15 @@ def print_compile_events(events, out: Printer) -> compile_pb2.CompileResult:
     raise RuntimeError("Compile stream ended without a result")
 
 
+def client_channel(args, address: str) -> grpc.Channel:
+    """A channel to ``address`` with the command's TLS settings and KILN_AUTH_TOKEN."""
+    return security_args.client_security(args).channel(address, CHANNEL_OPTIONS)
+
+
 def run_compile(args) -> int:
     out = Printer(args.json)
     request = compile_pb2.CompileRequest(model=model_spec(args.model, args.dtype), config=compile_config(args))
-    with grpc.insecure_channel(args.server, options=CHANNEL_OPTIONS) as channel:
+    with client_channel(args, args.server) as channel:
         try:
             print_compile_events(compile_pb2_grpc.CompileServiceStub(channel).Compile(request), out)
         except grpc.RpcError as exc:
@@ -107,7 +130,7 @@ def run_compile(args) -> int:
 
 def run_artifacts(args) -> int:
     out = Printer(args.json)
-    with grpc.insecure_channel(args.server, options=CHANNEL_OPTIONS) as channel:
+    with client_channel(args, args.server) as channel:
         stub = compile_pb2_grpc.CompileServiceStub(channel)
         try:
             if args.action == "list":

@@ -1,11 +1,13 @@
 """``kiln exec-server``, ``kiln load``, ``kiln generate``, ``kiln models``, ``kiln unload`` and ``kiln stats``."""
 
+import os
 import sys
 
 import grpc
 
-from kiln.grpc_server import CHANNEL_OPTIONS, serve_until_signal
-from kiln_cli.compile_commands import add_compile_config_args, compile_config, model_spec
+from kiln.grpc_server import serve_until_signal
+from kiln_cli import security_args
+from kiln_cli.compile_commands import add_compile_config_args, client_channel, compile_config, model_spec
 from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
@@ -17,10 +19,14 @@ FINISH_REASONS = {exec_pb2.FINISH_REASON_STOP: "stop", exec_pb2.FINISH_REASON_LE
 def register(subparsers) -> None:
     p = subparsers.add_parser("exec-server", help="run the execute service")
     p.add_argument("--port", type=int, default=50052)
-    p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--compile-server", default="", help="compile service address; bundles are fetched from it")
     p.add_argument("--store", default=None, help="an artifact store shared with the compile service, read in place")
     p.add_argument("--cache", default=None, help="downloaded bundles (default: ~/.cache/kiln/exec-cache)")
+    p.add_argument("--trusted-keys", default=os.environ.get("KILN_TRUSTED_KEYS"),
+                   help="public keys (a PEM file of one or more, or a directory of *.pub) whose signed bundles "
+                        "may be loaded")
+    security_args.add_server_args(p)
+    security_args.add_client_args(p)  # towards the compile service
     p.set_defaults(handler=run_exec_server)
 
     p = subparsers.add_parser("load", help="load a model on an execute service, printing each startup phase")
@@ -41,6 +47,7 @@ def register(subparsers) -> None:
                    help="default: cudagraph on CUDA, compiled on CPU")
     add_compile_config_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    security_args.add_client_args(p)
     p.set_defaults(handler=run_load)
 
     p = subparsers.add_parser("generate", help="stream tokens for one prompt")
@@ -57,17 +64,20 @@ def register(subparsers) -> None:
     p.add_argument("--stop-token-ids", default="", help="comma-separated token ids that end generation")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true")
+    security_args.add_client_args(p)
     p.set_defaults(handler=run_generate)
 
     p = subparsers.add_parser("models", help="list the models of an execute service")
     p.add_argument("address")
     p.add_argument("--json", action="store_true")
+    security_args.add_client_args(p)
     p.set_defaults(handler=run_models)
 
     p = subparsers.add_parser("unload", help="unload a model from an execute service")
     p.add_argument("address")
     p.add_argument("name")
     p.add_argument("--json", action="store_true")
+    security_args.add_client_args(p)
     p.set_defaults(handler=run_unload)
 
     p = subparsers.add_parser("stats", help="forward time per batch size")
@@ -75,6 +85,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="")
     p.add_argument("--reset", action="store_true", help="clear the statistics after reading them")
     p.add_argument("--json", action="store_true")
+    security_args.add_client_args(p)
     p.set_defaults(handler=run_stats)
 
 
@@ -87,10 +98,18 @@ def run_exec_server(args) -> int:
     from exec_service.telemetry.batch_size_log import BatchSizeLog, log_batchsize_interval
     from exec_service.telemetry.forward_stats import ForwardStats
     from exec_service.telemetry.request_spans import RequestSpans
+    from kiln.signing import TrustedKeys
     from tracing.forward_spans import ForwardSpans
     from tracing.grpc_instrumentation import server_interceptors
     from tracing.setup import init_tracing
 
+    if not args.trusted_keys:
+        return security_args.refuse_setting(ValueError(
+            "the execute service loads only signed bundles: pass --trusted-keys FILE|DIR (or KILN_TRUSTED_KEYS) "
+            "with the compile service's public key (`kiln keygen DIR` writes DIR/signing.pub)"))
+    trusted = TrustedKeys.load(args.trusted_keys)
+    security = security_args.server_security(args)
+    client = security_args.client_security(args)
     telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
     forward_stats = ForwardStats()
     # Each observer only where it has work: with tracing and the interval off, a step pays for neither.
@@ -103,7 +122,8 @@ def run_exec_server(args) -> int:
     try:
         serve_until_signal(lambda: start_exec_server(
             f"{args.host}:{args.port}", args.compile_server or None, args.store, args.cache or DEFAULT_CACHE_DIR,
-            server_interceptors(), observers, forward_stats, request_spans))
+            server_interceptors(), observers, forward_stats, request_spans, trusted=trusted, security=security,
+            client=client, model_roots=security_args.model_roots(args)))
     finally:
         if forward_spans:
             forward_spans.stop()  # the writer exports the last steps while this process's exporters flush
@@ -129,7 +149,7 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
 def _call(args, work) -> int:
     """Run ``work(stub, printer)`` against the execute service at ``args.address``; a failed call exits 1."""
     out = Printer(args.json)
-    with grpc.insecure_channel(args.address, options=CHANNEL_OPTIONS) as channel:
+    with client_channel(args, args.address) as channel:
         try:
             work(exec_pb2_grpc.ExecServiceStub(channel), out)
         except grpc.RpcError as exc:

@@ -6,6 +6,9 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kiln.client_security import PLAINTEXT, ClientSecurity
+from kiln_cli import security_args
+
 SERVING = "SERVING"
 
 
@@ -15,12 +18,13 @@ def register(subparsers) -> None:
     p.add_argument("--service", default="",
                    help="name to check: '' is the whole server (default), kiln.v1.ExecService/<model> one model")
     p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for an answer (default: %(default)s)")
+    security_args.add_client_args(p)
     p.set_defaults(handler=run_health)
 
 
-def check(address: str, service: str = "", timeout: float = 5.0) -> str:
+def check(address: str, service: str = "", timeout: float = 5.0, client: ClientSecurity = PLAINTEXT) -> str:
     """The serving status name (SERVING, NOT_SERVING, ...); raises grpc.RpcError when there is no answer."""
-    with grpc.insecure_channel(address) as channel:
+    with client.channel(address) as channel:
         response = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
@@ -29,7 +33,7 @@ def check(address: str, service: str = "", timeout: float = 5.0) -> str:
 def run_health(args) -> int:
     what = f"{args.address} service {args.service!r}" if args.service else args.address
     try:
-        status = check(args.address, args.service, args.timeout)
+        status = check(args.address, args.service, args.timeout, security_args.client_security(args))
     except grpc.RpcError as exc:
         print(f"error: {what}: {exc.code().name}: {_reason(exc)}", file=sys.stderr)
         return 1

@@ -114,18 +114,26 @@ def child_environment() -> dict:
 
 class LocalServices:
     """The compile and execute services as child processes on loopback: what ``kiln demo`` and ``kiln bench``
-    run when no server address is given. ``start()`` returns once both are healthy; ``stop()`` drains them."""
+    run when no server address is given. ``start()`` returns once both are healthy; ``stop()`` drains them.
+
+    Bundles are signed as anywhere else: with a key pair kept beside the store (``<store>.keys``, made on first
+    use), so a kept store stays loadable from one run to the next.
+    """
 
     def __init__(self, workdir: Path, store: Path, env: dict | None = None):
+        from kiln.signing import generate_key_pair  # cryptography: only where servers are started
+
         compile_port, exec_port = free_port(), free_port()
         env = env if env is not None else child_environment()
+        signing_key, public_key = generate_key_pair(store.parent / f"{store.name}.keys")
         self.compile = ServiceProcess(
             "compile", kiln_command("compile-server", "--host", "127.0.0.1", "--port", str(compile_port),
-                                    "--store", str(store)),
+                                    "--store", str(store), "--signing-key", str(signing_key)),
             f"127.0.0.1:{compile_port}", workdir / "compile.log", env)
         self.exec = ServiceProcess(
             "exec", kiln_command("exec-server", "--host", "127.0.0.1", "--port", str(exec_port),
-                                 "--compile-server", self.compile.address, "--cache", str(workdir / "exec-cache")),
+                                 "--compile-server", self.compile.address, "--cache", str(workdir / "exec-cache"),
+                                 "--trusted-keys", str(public_key)),
             f"127.0.0.1:{exec_port}", workdir / "exec.log", env)
         self.started: list[ServiceProcess] = []
 

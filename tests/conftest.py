@@ -35,15 +35,40 @@ class BackgroundServer:
 
 
 @pytest.fixture(scope="session")
+def signing_dir(tmp_path_factory):
+    """The session's bundle-signing key pair, as ``kiln keygen`` writes it: signing.key and signing.pub."""
+    from kiln.signing import generate_key_pair
+
+    directory = tmp_path_factory.mktemp("signing")
+    generate_key_pair(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def signer(signing_dir):
+    from kiln.signing import PRIVATE_KEY_FILE, Signer
+
+    return Signer.load(signing_dir / PRIVATE_KEY_FILE)
+
+
+@pytest.fixture(scope="session")
+def trusted_keys(signing_dir):
+    """What the session's exec servers trust: the session signer's public key."""
+    from kiln.signing import PUBLIC_KEY_FILE, TrustedKeys
+
+    return TrustedKeys.load(signing_dir / PUBLIC_KEY_FILE)
+
+
+@pytest.fixture(scope="session")
 def compile_store(tmp_path_factory):
     return tmp_path_factory.mktemp("compile-store")
 
 
 @pytest.fixture(scope="session")
-def compile_server(compile_store):
+def compile_server(compile_store, signer):
     from compile_service.server import start_compile_server
 
-    server = BackgroundServer(lambda: start_compile_server(compile_store, "127.0.0.1:0"))
+    server = BackgroundServer(lambda: start_compile_server(compile_store, "127.0.0.1:0", signer=signer))
     yield server
     server.stop()
 
@@ -106,14 +131,14 @@ def client_tracer(endpoint: str):
 
 
 @pytest.fixture(scope="session")
-def traced_compile_server(otlp_receiver, tmp_path_factory):
+def traced_compile_server(otlp_receiver, tmp_path_factory, signing_dir):
     """``kiln compile-server`` as a child process with tracing to the session's receiver, and its own store."""
     from kiln_cli.service_process import ServiceProcess, free_port, kiln_command
 
     store, port = tmp_path_factory.mktemp("traced-store"), free_port()
     server = ServiceProcess(
         "traced compile", kiln_command("compile-server", "--host", "127.0.0.1", "--port", str(port), "--store",
-                                       str(store)),
+                                       str(store), "--signing-key", str(signing_dir / "signing.key")),
         f"127.0.0.1:{port}", store.parent / "traced-compile.log",
         env=otel_env(otlp_receiver.endpoint, OTEL_RESOURCE_ATTRIBUTES="deployment.environment=ci"))
     server.start()
@@ -135,12 +160,12 @@ def step_records() -> list:
 
 
 @pytest.fixture(scope="session")
-def exec_server(compile_server, tiny_key, exec_cache, step_records):
+def exec_server(compile_server, tiny_key, exec_cache, step_records, trusted_keys):
     """One real exec server for the session; the tiny model is compiled (tiny_key) before it fetches anything."""
     from exec_service.server import start_exec_server
 
     server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", compile_server.address, cache_dir=exec_cache,
-                                                        step_observers=[step_records.append]))
+                                                        step_observers=[step_records.append], trusted=trusted_keys))
     yield server
     server.stop()
 

@@ -68,10 +68,12 @@ FRESH_PROCESS_LOAD = textwrap.dedent("""
     from kiln.counters import compile_counts
     from kiln.model import build_model
     from kiln.model_spec import resolve
+    from kiln.signing import TrustedKeys
     from protos import common_pb2
     model = build_model(resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu"), "cpu", seed=7)
     before = compile_counts()
-    fn = load_compiled(Path(sys.argv[1]))
+    bundle_dir = Path(sys.argv[1])
+    fn = load_compiled(bundle_dir, bundle_dir.name, TrustedKeys.load(sys.argv[2]))
     out = {}
     with torch.no_grad():
         for n in (8, 5, 1):
@@ -83,8 +85,9 @@ FRESH_PROCESS_LOAD = textwrap.dedent("""
 """)
 
 
-def test_fresh_process_loads_without_dynamo_and_matches_eager(compile_store, tiny_key):
-    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LOAD, str(compile_store / tiny_key)],
+def test_fresh_process_loads_without_dynamo_and_matches_eager(compile_store, tiny_key, signing_dir):
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LOAD, str(compile_store / tiny_key),
+                           str(signing_dir / "signing.pub")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -296,15 +296,17 @@ def test_full_waiting_queue_is_resource_exhausted(exec_stub):
     waiting.cancel()
 
 
-def test_bundle_for_another_torch_is_failed_precondition(exec_stub, compile_store, tiny_key):
+def test_bundle_for_another_torch_is_failed_precondition(exec_stub, compile_store, tiny_key, signer):
+    """A bundle a trusted compile service signed on another torch: the signature holds, the environment does not."""
     forged = "f" * 64
     shutil.copytree(compile_store / tiny_key, compile_store / forged)
     factors = json.loads((compile_store / forged / bundle.KEY_FACTORS).read_text())
     factors["environment"]["torch"] = "2.11.0"
     (compile_store / forged / bundle.KEY_FACTORS).write_text(json.dumps(factors))
     manifest = bundle.read_manifest(compile_store / forged)
-    fields = {k: v for k, v in manifest.__dict__.items() if k != "files"}
-    bundle.write_manifest(compile_store / forged, **fields)
+    fields = {k: v for k, v in manifest.__dict__.items() if k not in ("files", "key")}
+    bundle.write_manifest(compile_store / forged, key=forged, **fields)
+    bundle.sign(compile_store / forged, signer)
 
     with pytest.raises(grpc.RpcError) as exc:
         load_model(exec_stub, "tiny-old-torch", key=common_pb2.ArtifactKey(digest=forged))
@@ -421,9 +423,9 @@ def test_concurrent_generates_on_two_models(exec_stub, tiny_loaded, hf_tiny):
     assert results == expected + expected
 
 
-def test_shared_store_is_read_in_place(compile_store, tiny_key, tiny_loaded, tmp_path):
+def test_shared_store_is_read_in_place(compile_store, tiny_key, tiny_loaded, tmp_path, trusted_keys):
     """A replica on the compile service's volume needs no compile service for a bundle that is there."""
-    server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", store_dir=compile_store))
+    server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", store_dir=compile_store, trusted=trusted_keys))
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)

@@ -30,18 +30,26 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     return [aio_server_interceptor(filter_=_TRACED_CALLS)] if _tracing_on(None) else []
 
 
-def instrumented_channel(address: str, options: Sequence = (),
-                         tracer_provider: TracerProvider | None = None) -> grpc.Channel:
-    """A blocking insecure channel whose calls are client spans carrying the current trace to the server."""
-    channel = grpc.insecure_channel(address, options=list(options))
+def instrumented_channel(address: str, options: Sequence = (), tracer_provider: TracerProvider | None = None,
+                         credentials: grpc.ChannelCredentials | None = None,
+                         interceptors: Sequence = ()) -> grpc.Channel:
+    """A blocking channel (TLS with ``credentials``, plaintext without) whose calls are client spans carrying the
+    current trace to the server; ``interceptors`` (a bearer token) run on every call."""
+    channel = (grpc.secure_channel(address, credentials, options=list(options)) if credentials
+               else grpc.insecure_channel(address, options=list(options)))
+    if interceptors:
+        channel = grpc.intercept_channel(channel, *interceptors)
     if not _tracing_on(tracer_provider):
         return channel
     return intercept_channel(channel, client_interceptor(tracer_provider, filter_=_TRACED_CALLS))
 
 
-def instrumented_aio_channel(address: str, options: Sequence = (),
-                             tracer_provider: TracerProvider | None = None) -> grpc.aio.Channel:
+def instrumented_aio_channel(address: str, options: Sequence = (), tracer_provider: TracerProvider | None = None,
+                             credentials: grpc.ChannelCredentials | None = None,
+                             interceptors: Sequence = ()) -> grpc.aio.Channel:
     """The grpc.aio counterpart of instrumented_channel, for calls made from a server's event loop."""
-    interceptors = aio_client_interceptors(tracer_provider, filter_=_TRACED_CALLS) if _tracing_on(
-        tracer_provider) else None
+    tracing = aio_client_interceptors(tracer_provider, filter_=_TRACED_CALLS) if _tracing_on(tracer_provider) else []
+    interceptors = [*interceptors, *tracing] or None
+    if credentials:
+        return grpc.aio.secure_channel(address, credentials, options=list(options), interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)

@@ -28,6 +28,7 @@ from kiln.errors import FailedPrecondition, first_line
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.model import TokenModel, build_model, weights_bytes
 from kiln.model_spec import ResolvedModel
+from kiln.signing import TrustedKeys
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +107,12 @@ class ModelRunner:
         return spec
 
     @torch.no_grad()
-    def load_compiled(self, bundle_dir: Path) -> None:
-        """Load the bundle's function and warm it up at both ends of the token range, compiling nothing."""
+    def load_compiled(self, bundle_dir: Path, key: str, trusted: TrustedKeys) -> None:
+        """Load the bundle's function (once its signature verifies) and warm it up at both ends of the token range,
+        compiling nothing."""
         with expect_no_compile("loading the compiled function"):
             try:
-                self.compiled = bundle.load_compiled(bundle_dir)
+                self.compiled = bundle.load_compiled(bundle_dir, key, trusted)
             except (RuntimeError, AssertionError) as exc:
                 raise FailedPrecondition(f"bundle {bundle_dir.name[:12]}: torch refused to load it: "
                                          f"{first_line(exc)}") from exc

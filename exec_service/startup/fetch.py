@@ -1,8 +1,9 @@
 """Fetch a compiled bundle: from the local cache or a shared store, else Compile + GetArtifact on the compile service.
 
-A bundle is only ever served after its sha256s check out and its key factors match this process: a bundle built
-for another torch, Python or device is refused with FAILED_PRECONDITION naming the factor, never loaded into a
-crash and never silently recompiled here.
+A bundle is only ever served after its manifest's signature verifies against a trusted key, its sha256s check out
+and its key factors match this process: an unsigned, unknown-signer or tampered bundle is refused with
+FAILED_PRECONDITION naming the key and the signer, and one built for another torch, Python or device with
+FAILED_PRECONDITION naming the factor; never loaded into a crash and never silently recompiled here.
 """
 
 import json
@@ -15,10 +16,11 @@ import grpc
 
 from kiln import bundle, cache_key
 from kiln.artifact_store import FilesystemStore, check_key
-from kiln.bundle import CorruptBundle
+from kiln.bundle import CorruptBundle, UntrustedBundle
 from kiln.compile_config import CompileConfig
 from kiln.errors import FailedPrecondition, Internal, KilnError, NotFound
 from kiln.model_spec import ResolvedModel
+from kiln.signing import TrustedKeys
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,11 +50,14 @@ class FetchedBundle:
 
 
 class BundleFetcher:
-    """Bundles by key. ``store`` is a shared store (read in place) or this server's own download cache."""
+    """Bundles by key. ``store`` is a shared store (read in place) or this server's own download cache; ``trusted``
+    the keys whose signatures it accepts."""
 
-    def __init__(self, store: FilesystemStore, shared: bool, compile_channel: grpc.Channel | None):
+    def __init__(self, store: FilesystemStore, shared: bool, compile_channel: grpc.Channel | None,
+                 trusted: TrustedKeys):
         self.store = store
         self.shared = shared
+        self.trusted = trusted
         self.compile_stub = compile_pb2_grpc.CompileServiceStub(compile_channel) if compile_channel else None
 
     def fetch(self, spec: common_pb2.ModelSpec, model: ResolvedModel, config: CompileConfig, key: str | None,
@@ -70,6 +75,7 @@ class BundleFetcher:
             if key is None:
                 digest = self._compile(_wire_spec(spec, model), config, progress)
             path, source = self._get_or_download(digest, progress)
+        self._verify_signature(digest, path)
         fetched = FetchedBundle(digest, path, self._read_factors(path), source)
         check_environment(fetched, config.device)
         if key is not None:
@@ -141,6 +147,17 @@ class BundleFetcher:
             self.store.discard(staged)
             raise
         return len(data)
+
+    def _verify_signature(self, digest: str, path: Path) -> None:
+        """Nothing of a bundle is read as more than bytes before this; a refused one leaves this server's own cache,
+        so a later fetch downloads it again (a shared store is the compile service's to clean)."""
+        try:
+            bundle.verify_signed(path, digest, self.trusted)
+        except UntrustedBundle as exc:
+            log.warning("refused bundle %s: %s", digest[:12], exc)
+            if not self.shared:
+                self.store.delete(digest)
+            raise
 
     def _stub(self) -> compile_pb2_grpc.CompileServiceStub:
         if self.compile_stub is None:

@@ -20,7 +20,8 @@ from exec_service.engine.model_runner import ModelRunner
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle
 from exec_service.telemetry.forward_stats import ForwardStats
 from kiln.compile_config import CompileConfig
-from kiln.errors import InvalidArgument
+from kiln.errors import InvalidArgument, quote
+from kiln.model_roots import ModelRoots
 from kiln.model_spec import ResolvedModel, resolve
 from protos import common_pb2, exec_pb2
 from tracing import spans
@@ -45,14 +46,18 @@ class LoadTarget:
     weights_seed: int
 
     @classmethod
-    def from_request(cls, request: exec_pb2.LoadModelRequest) -> "LoadTarget":
+    def from_request(cls, request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> "LoadTarget":
+        """Validated, with every client-named directory (model, weights) checked against ``roots``."""
         compile_config = CompileConfig.from_proto(request.config)
-        model = resolve(request.model, compile_config.device)
+        model = resolve(request.model, compile_config.device, roots)
+        weights = request.weights or "dummy"
+        if weights != "dummy":
+            weights = str(roots.check_dir(weights, "weights"))
         return cls(
             name=model_name(request, model), spec=request.model, model=model, compile_config=compile_config,
             key=request.key.digest or None,
             engine_config=EngineConfig.from_request(request, model, compile_config.device),
-            weights=request.weights or "dummy", weights_seed=request.weights_seed)
+            weights=weights, weights_seed=request.weights_seed)
 
 
 @dataclass
@@ -128,7 +133,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: Forw
         if fetched is None:
             event.detail = "eager: the uncompiled model serves"
         else:
-            runner.load_compiled(fetched.path)
+            runner.load_compiled(fetched.path, fetched.key, fetcher.trusted)
             event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
             span.set_attribute(spans.CACHE_KEY, fetched.key)
 
@@ -174,7 +179,8 @@ def _load_tokenizer(target: LoadTarget):
             try:
                 return AutoTokenizer.from_pretrained(directory)
             except (OSError, ValueError) as exc:
-                raise InvalidArgument(f"weights: cannot load the tokenizer in {directory}: {exc}") from None
+                raise InvalidArgument(f"weights: cannot load the tokenizer in {quote(str(directory))}: "
+                                      f"{quote(str(exc))}") from None
     return None
 
 

@@ -1,0 +1,44 @@
+"""The directories under which a client may name a path: ``model.hf_dir`` (both services) and ``weights`` (exec).
+
+The operator sets them with ``--model-root DIR`` (repeatable). A server bound off loopback with none reads no
+client-named path at all; one bound to loopback with none reads any directory its user can (on one machine, the
+client is a local user). Paths are compared after every symlink is resolved, the directory's own entries too, and
+a refusal reads the same whether or not the path exists.
+"""
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from kiln.errors import PermissionDenied, quote
+
+
+class ModelRoots:
+    def __init__(self, roots: Iterable[str | Path] = (), any_path: bool = False):
+        self.roots = [Path(os.path.realpath(Path(root).expanduser())) for root in roots]
+        self.any_path = any_path and not self.roots
+
+    @classmethod
+    def for_server(cls, roots: Iterable[str | Path], loopback: bool) -> "ModelRoots":
+        """The operator's roots; with none, any path on a loopback-only server and no path on any other."""
+        return cls(roots, any_path=loopback)
+
+    def describe(self) -> str:
+        if self.any_path:
+            return "any directory (loopback, no --model-root)"
+        return ", ".join(map(str, self.roots)) or "none (no --model-root: presets and inline configs only)"
+
+    def check_dir(self, path: str, field: str) -> Path:
+        """``path`` with its symlinks resolved, once it and every entry in it lie under a root."""
+        resolved = self._inside(path, path, field)
+        if resolved.is_dir():
+            for entry in resolved.iterdir():
+                self._inside(entry, path, field)
+        return resolved
+
+    def _inside(self, candidate: str | Path, named: str, field: str) -> Path:
+        resolved = Path(os.path.realpath(candidate))
+        if self.any_path or any(resolved == root or root in resolved.parents for root in self.roots):
+            return resolved
+        raise PermissionDenied(f"{field}: {quote(named)} is not under a model root of this server (--model-root); "
+                               f"it reads client-named directories there only")

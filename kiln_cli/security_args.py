@@ -1,0 +1,68 @@
+"""The security flags, the same on every command that has them: servers' TLS, tokens, request cap and model roots,
+clients' CA, certificate and token. Each flag falls back to its ``KILN_*`` environment variable."""
+
+import argparse
+import os
+import sys
+
+from kiln.auth import TokenFileError, TokenTable
+from kiln.client_security import ClientSecurity
+from kiln.grpc_server import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, ServerSecurity
+from kiln.signing import KeyFileError
+from kiln.tls import ServerTls, TlsFileError
+
+# What a refused key, certificate or token file raises: the command prints it and exits 2.
+SETTING_ERRORS = (KeyFileError, TlsFileError, TokenFileError)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="interface to bind (default: %(default)s; anything else warns unless TLS and tokens are on)")
+    p.add_argument("--tls-cert", default=os.environ.get("KILN_TLS_CERT"), help="server certificate chain (PEM)")
+    p.add_argument("--tls-key", default=os.environ.get("KILN_TLS_KEY"), help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", default=os.environ.get("KILN_TLS_CLIENT_CA"),
+                   help="CA for client certificates: mutual TLS, a client without one is refused")
+    p.add_argument("--auth-token-file", default=os.environ.get("KILN_AUTH_TOKEN_FILE"),
+                   help="tokens a client must send, one 'ROLE TOKEN' per line (ROLE: admin or user)")
+    p.add_argument("--max-request-bytes", type=int,
+                   default=int(os.environ.get("KILN_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
+                   help="largest request message accepted (default: %(default)s)")
+    p.add_argument("--model-root", action="append", default=None,
+                   help="directory under which clients may name models and weights (repeatable; "
+                        "env KILN_MODEL_ROOTS, separated by ':')")
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, help="CA of the server's certificate: use TLS (env KILN_TLS_CA)")
+    p.add_argument("--tls-client-cert", default=None,
+                   help="client certificate for mutual TLS (env KILN_TLS_CLIENT_CERT)")
+    p.add_argument("--tls-client-key", default=None, help="its private key (env KILN_TLS_CLIENT_KEY)")
+
+
+def server_security(args) -> ServerSecurity:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise TlsFileError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise TlsFileError("--tls-client-ca needs --tls-cert and --tls-key")
+    tls = ServerTls.load(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    tokens = TokenTable.load(args.auth_token_file) if args.auth_token_file else None
+    return ServerSecurity(tls, tokens, args.max_request_bytes)
+
+
+def model_roots(args) -> list[str]:
+    if args.model_root:
+        return args.model_root
+    return [root for root in (os.environ.get("KILN_MODEL_ROOTS") or "").split(os.pathsep) if root]
+
+
+def client_security(args) -> ClientSecurity:
+    """The flags, each missing one from KILN_TLS_CA / KILN_TLS_CLIENT_CERT / KILN_TLS_CLIENT_KEY; the token from
+    KILN_AUTH_TOKEN (or the file KILN_CLIENT_TOKEN_FILE), never from a flag, where ps would show it."""
+    return ClientSecurity.load(getattr(args, "tls_ca", None), getattr(args, "tls_client_cert", None),
+                               getattr(args, "tls_client_key", None))
+
+
+def refuse_setting(exc: Exception) -> int:
+    """A bad key, certificate or token file: one line, exit 2 (a usage error, not a crash)."""
+    print(f"error: {exc}", file=sys.stderr)
+    return 2
