@@ -64,14 +64,17 @@ class FilesystemStore:
     """Bundles as directories ``ROOT/<key>/``; staging under ``ROOT/.staging``, locks under ``ROOT/.locks``.
 
     With a ``signer``, every commit is signed; with ``trusted`` keys, a bundle is present only when its signature
-    verifies (the compile service's store). Without them (the execute service's), the fetcher checks signatures
-    itself, so that a refused bundle is reported as refused rather than as missing.
+    verifies (the compile service's store). With ``verify=False`` (the execute service's) reads check nothing: the
+    fetcher checks the signature and every sha256 itself, so a tampered bundle is reported as refused, naming its
+    signer, rather than quietly dropped as missing.
     """
 
-    def __init__(self, root: Path | str, signer: Signer | None = None, trusted: TrustedKeys | None = None):
+    def __init__(self, root: Path | str, signer: Signer | None = None, trusted: TrustedKeys | None = None,
+                 verify: bool = True):
         self.root = Path(root).expanduser()
         self.signer = signer
         self.trusted = trusted
+        self.verify = verify
         # A store mounted read-only (the exec service's view of a shared volume) is read, never written: bundles
         # appear there by atomic rename, so a reader needs no lock, and it leaves last-used times to the writer.
         self.read_only = self.root.is_dir() and not os.access(self.root, os.W_OK)
@@ -109,7 +112,7 @@ class FilesystemStore:
         if not path.is_dir():
             return None
         stamp = self._stamp(path)
-        if self._verified.get(key) != stamp:
+        if self.verify and self._verified.get(key) != stamp:
             try:
                 self._verify(key, path)
             except (CorruptBundle, UntrustedBundle) as exc:

@@ -59,6 +59,8 @@ ALLOWED: dict[str, Allowed] = {
     "max_autotune_gemm": _bool(),
     "max_autotune_gemm_backends": _backends("ATEN", "TRITON", "CPP"),
     "max_autotune_gemm_search_space": _one_of("DEFAULT", "EXHAUSTIVE"),
+    "max_autotune_conv_backends": _backends("ATEN", "TRITON"),
+    "max_autotune_flex_search_space": _one_of("DEFAULT", "EXHAUSTIVE"),
     "coordinate_descent_tuning": _bool(),
     "coordinate_descent_check_all_directions": _bool(),
     "coordinate_descent_search_radius": _int(1, 8),
@@ -184,6 +186,8 @@ REFUSED: dict[str, str] = {
     "cudagraph_policy": CODE,
     "autotune_lookup_table": CODE,
     "disabled_passes": CODE,
+    "max_autotune_conv_bwd_input_backends": OPERATOR,  # backward passes: Kiln compiles inference only
+    "max_autotune_conv_bwd_weight_backends": OPERATOR,
     "custom_should_partition_ops": OPERATOR,
     "cudagraph_unsafe_unbacked_ops": OPERATOR,
     "pre_grad_pass_timing": OPERATOR,
