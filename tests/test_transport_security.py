@@ -180,7 +180,7 @@ def listening_addresses(port: int) -> set[str]:
 
 
 def test_the_default_bind_is_loopback(tmp_path, signing_dir):
-    from kiln.cli.service_process import ServiceProcess, free_port, kiln_command
+    from kiln_cli.service_process import ServiceProcess, free_port, kiln_command
 
     port = free_port()
     server = ServiceProcess("compile", kiln_command("compile-server", "--port", str(port), "--store",
@@ -307,7 +307,7 @@ def test_off_loopback_without_roots_no_client_path_is_read(tmp_path):
 
 
 def test_the_cli_sends_kiln_auth_token(material, secure_compile, monkeypatch, capsys):
-    from kiln.cli import main
+    from kiln_cli import main
 
     tls, _, admin, _ = material
     monkeypatch.setenv("KILN_TLS_CA", str(tls.ca))
