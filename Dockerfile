@@ -23,9 +23,12 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HOME=/var/cache/kiln/huggingface
 
 # Named volumes copy the ownership of the directory they mount over, so the non-root user owns them from the start.
+# /etc/kiln/keys and /etc/kiln/signing hold what `kiln keygen` writes (compose's one-shot keys service).
 RUN useradd --create-home --uid 1000 kiln \
     && mkdir -p /var/lib/kiln/store /var/cache/kiln/inductor /var/cache/kiln/triton /var/cache/kiln/huggingface \
-    && chown -R kiln:kiln /var/lib/kiln /var/cache/kiln
+        /etc/kiln/keys /etc/kiln/signing \
+    && chmod 700 /etc/kiln/signing \
+    && chown -R kiln:kiln /var/lib/kiln /var/cache/kiln /etc/kiln
 
 WORKDIR /opt/kiln
 
@@ -42,7 +45,7 @@ RUN python -m pip install --no-deps . && python -c "import torch, kiln_cli; prin
 
 USER kiln
 WORKDIR /home/kiln
-VOLUME ["/var/lib/kiln/store", "/var/cache/kiln"]
+VOLUME ["/var/lib/kiln/store", "/var/cache/kiln", "/etc/kiln/keys", "/etc/kiln/signing"]
 # 50051: compile service; 50052: execute service (gRPC, with health and reflection).
 EXPOSE 50051 50052
 CMD ["kiln", "--help"]

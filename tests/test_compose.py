@@ -1,5 +1,6 @@
-"""docker-compose.yml proven without Docker: the Compose specification's schema, the structure the README promises,
-and each service's command run as a local process that becomes healthy and serves a Generate."""
+"""docker-compose.yml proven without Docker: the Compose specification's schema, the structure the README promises
+(signing, TLS and tokens on; the signing key only where it signs), and each service's command run as a local
+process: the one-shot key service first, then both servers, healthy and serving a Generate over TLS with a token."""
 
 import importlib.resources
 import json
@@ -17,7 +18,9 @@ import pytest
 import yaml
 from conftest import TINY_CONFIG, TINY_MODEL
 
+from kiln.client_security import ClientSecurity
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.tls import ClientTls
 from kiln_cli.service_process import ServiceProcess, free_port
 from protos import exec_pb2, exec_pb2_grpc
 
@@ -26,6 +29,8 @@ COMPOSE = ROOT / "docker-compose.yml"
 CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 KILN_SERVICES = ("compile", "exec")
+KEYS_SERVICE = "keys"
+KEYS_DIR, SIGNING_DIR = "/etc/kiln/keys", "/etc/kiln/signing"
 
 
 class Reset(dict):
@@ -94,7 +99,7 @@ def volume(service: dict, target: str) -> dict:
 
 def published(service: dict) -> dict[int, int]:
     """Container port -> host port."""
-    return {int(p.split(":")[-1]): int(p.split(":")[-2]) for p in service["ports"]}
+    return {int(p.split(":")[-1]): int(p.split(":")[-2]) for p in service.get("ports", [])}
 
 
 def dockerfile_env() -> dict[str, str]:
@@ -169,7 +174,8 @@ def test_store_volume_is_shared_rw_for_compile_and_ro_for_exec(compose):
 def test_compiler_caches_live_on_a_volume_per_service(compose):
     env = dockerfile_env()
     for name in KILN_SERVICES:
-        caches = [v for v in compose["services"][name]["volumes"] if v["target"] != env["KILN_STORE"]]
+        caches = [v for v in compose["services"][name]["volumes"]
+                  if v["target"] not in (env["KILN_STORE"], KEYS_DIR, SIGNING_DIR)]
         assert len(caches) == 1 and caches[0]["type"] == "volume" and caches[0].get("read_only", False) is False
         for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
             assert env[variable].startswith(caches[0]["target"] + "/"), variable
@@ -224,11 +230,55 @@ def test_dockerfile_builds_one_non_root_image_on_a_cuda_pytorch_base(compose):
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and users[-1] not in ("root", "0")
     volumes = json.loads(re.search(r"^VOLUME (\[.*\])$", text, re.M)[1])
-    targets = {v["target"] for name in KILN_SERVICES for v in compose["services"][name]["volumes"]}
+    targets = {v["target"] for name in (*KILN_SERVICES, KEYS_SERVICE) for v in compose["services"][name]["volumes"]}
     assert targets <= set(volumes)
-    for name in KILN_SERVICES:  # one image from this Dockerfile, built rather than looked for in a registry
+    for name in (*KILN_SERVICES, KEYS_SERVICE):  # one image from this Dockerfile, built, never pulled
         service = compose["services"][name]
         assert (service["build"], service["image"], service["pull_policy"]) == (".", "kiln:latest", "build")
+
+
+def under(path: str, mount: str) -> bool:
+    return path.startswith(mount + "/")
+
+
+def test_a_one_shot_service_writes_the_keys_before_either_server_starts(compose):
+    services = compose["services"]
+    keys = services[KEYS_SERVICE]
+    command = keys["command"]
+    assert command[:3] == ["kiln", "keygen", KEYS_DIR] and flag(command, "--signing-dir") == SIGNING_DIR
+    assert "--tokens" in command
+    hosts = flag(command, "--tls-hosts").split(",")
+    assert set(KILN_SERVICES) | {"localhost"} <= set(hosts), "the certificate names every address clients dial"
+    assert keys["restart"] == "no" and "ports" not in keys and "healthcheck" not in keys
+    assert {v["target"]: v["read_only"] for v in keys["volumes"]} == {KEYS_DIR: False, SIGNING_DIR: False}
+    for name in KILN_SERVICES:
+        assert services[name]["depends_on"][KEYS_SERVICE]["condition"] == "service_completed_successfully"
+
+
+def test_the_signing_key_is_mounted_where_it_signs_and_nowhere_else(compose):
+    services = compose["services"]
+    signing_volume = volume(services[KEYS_SERVICE], SIGNING_DIR)["source"]
+    keys_volume = volume(services[KEYS_SERVICE], KEYS_DIR)["source"]
+    assert {signing_volume, keys_volume} <= set(compose["volumes"])
+    compile_signing = volume(services["compile"], SIGNING_DIR)
+    assert compile_signing["source"] == signing_volume and compile_signing["read_only"] is True
+    assert all(v["source"] != signing_volume for v in services["exec"]["volumes"]), "exec could sign bundles"
+    for name in KILN_SERVICES:
+        mount = volume(services[name], KEYS_DIR)
+        assert mount["source"] == keys_volume and mount["read_only"] is True
+    assert under(flag(services["compile"]["command"], "--signing-key"), SIGNING_DIR)
+    assert flag(services["exec"]["command"], "--trusted-keys") == f"{KEYS_DIR}/signing.pub"
+
+
+def test_both_servers_run_with_tls_and_tokens_and_their_clients_have_the_ca_and_a_token(compose):
+    for name in KILN_SERVICES:
+        service = compose["services"][name]
+        command = service["command"]
+        for option in ("--tls-cert", "--tls-key", "--auth-token-file"):
+            assert under(flag(command, option), KEYS_DIR), (name, option)
+        assert flag(command, "--host") == "0.0.0.0"  # said explicitly, on compose's private network
+        env = service["environment"]
+        assert under(env["KILN_TLS_CA"], KEYS_DIR) and under(env["KILN_CLIENT_TOKEN_FILE"], KEYS_DIR)
 
 
 # --- the services, run as local processes ------------------------------------------------------------------------
@@ -280,7 +330,8 @@ class LocalCompose:
         """The service's compose environment over ours, without any OTEL_* of ours, with the venv's kiln on PATH."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        env.update({k: self.value(str(v)) for k, v in self.compose["services"][service]["environment"].items()})
+        env.update({k: self.value(str(v))
+                    for k, v in self.compose["services"][service].get("environment", {}).items()})
         return env
 
     def address(self, service: str) -> str:
@@ -313,24 +364,34 @@ def otlp():
 
 def test_compose_commands_run_locally_become_healthy_and_serve_generate(cpu_compose, tmp_path, otlp):
     local = LocalCompose(cpu_compose, tmp_path, otlp.port)
-    store = local.volumes[dockerfile_env()["KILN_STORE"]]
+    keys = subprocess.run(local.argv(cpu_compose["services"][KEYS_SERVICE]["command"]), capture_output=True,
+                          text=True, timeout=120, env=local.env(KEYS_SERVICE))
+    assert keys.returncode == 0, keys.stderr
     services = {}
     try:
         for name in ("compile", "exec"):  # exec depends_on a healthy compile
             argv = local.argv(cpu_compose["services"][name]["command"])
-            if name == "exec":
-                read_only = read_only_bind([store])
-                if read_only is None:
-                    warnings.warn("exec ran with the store writable: no mount namespace here to mount it read-only "
-                                  "as compose does", stacklevel=1)
-                else:
-                    argv = read_only + argv
+            read_only_mounts = [local.volumes[v["target"]] for v in cpu_compose["services"][name]["volumes"]
+                                if v.get("read_only")]
+            read_only = read_only_bind(read_only_mounts)
+            if read_only is None:
+                warnings.warn(f"{name} ran with its read-only volumes writable: no mount namespace here to mount "
+                              f"them read-only as compose does", stacklevel=1)
+            else:
+                argv = read_only + argv
             services[name] = ServiceProcess(name, argv, local.address(name), tmp_path / f"{name}.log",
                                             local.env(name))
             services[name].start()
             local.wait_healthy(name, services[name])
 
-        with grpc.insecure_channel(local.address("exec"), options=CHANNEL_OPTIONS) as channel:
+        key_dir = local.volumes[KEYS_DIR]
+        tls = ClientTls.load(key_dir / "ca.pem")
+        with ClientSecurity(tls).channel(local.address("exec"), CHANNEL_OPTIONS) as channel:
+            with pytest.raises(grpc.RpcError) as exc:  # TLS alone is not enough: LoadModel needs an admin token
+                list(exec_pb2_grpc.ExecServiceStub(channel).LoadModel(exec_pb2.LoadModelRequest(model=TINY_MODEL)))
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        admin = (key_dir / "admin.token").read_text().strip()
+        with ClientSecurity(tls, admin).channel(local.address("exec"), CHANNEL_OPTIONS) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             events = list(stub.LoadModel(exec_pb2.LoadModelRequest(model=TINY_MODEL, config=TINY_CONFIG)))
             assert events[-1].HasField("ready"), events
