@@ -107,11 +107,12 @@ class FilesystemStore:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def get(self, key: str) -> Path | None:
-        """The verified bundle, or None; a corrupt bundle is deleted so the caller rebuilds it."""
+        """The verified bundle (unchecked with ``verify=False``), or None; a corrupt or untrusted bundle is deleted
+        so the caller rebuilds it."""
         path = self.path(key)
         if not path.is_dir():
             return None
-        stamp = self._stamp(path)
+        stamp = self._stamp(path) if self.verify else None
         if self.verify and self._verified.get(key) != stamp:
             try:
                 self._verify(key, path)
