@@ -101,13 +101,18 @@ class ServiceProcess:
         return "\n".join(f"  {self.name}| {line}" for line in text)
 
 
+_SECURITY_ENV = ("KILN_TLS_", "KILN_AUTH_", "KILN_CLIENT_TOKEN_FILE", "KILN_SIGNING_KEY", "KILN_TRUSTED_KEYS",
+                 "KILN_MODEL_ROOTS")
+
+
 def child_environment() -> dict:
     """This process's environment, OTEL_* included, so the children trace where we would.
 
     OTEL_SERVICE_NAME is left out: each server names itself (kiln-compile, kiln-exec), and one shared name would
-    merge the two services in Jaeger.
+    merge the two services in Jaeger. So are the security settings (KILN_TLS_*, tokens, keys, roots): meant for
+    some other deployment, they would turn the local plaintext pair against itself.
     """
-    env = {k: v for k, v in os.environ.items() if k != "OTEL_SERVICE_NAME"}
+    env = {k: v for k, v in os.environ.items() if k != "OTEL_SERVICE_NAME" and not k.startswith(_SECURITY_ENV)}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
