@@ -74,7 +74,8 @@ def default_device() -> str:
 
 def resolve(spec: common_pb2.ModelSpec, device: str, roots: ModelRoots | None = None) -> ResolvedModel:
     """Turn a wire ModelSpec into an HF config and dtype, or raise a status the client can act on. A directory is
-    read only under ``roots`` (none given: no directory at all)."""
+    read only under ``roots``; the servers always pass theirs, and None (a caller in this process, not a client)
+    reads any directory."""
     source = spec.WhichOneof("source")
     hf_dir = None
     if source == "preset":
@@ -82,7 +83,7 @@ def resolve(spec: common_pb2.ModelSpec, device: str, roots: ModelRoots | None = 
             raise NotFound(f"model.preset: unknown preset {quote(spec.preset)}; known: {', '.join(sorted(PRESETS))}")
         name, raw = spec.preset, dict(PRESETS[spec.preset])
     elif source == "hf_dir":
-        hf_dir = (roots or ModelRoots()).check_dir(spec.hf_dir, "model.hf_dir")
+        hf_dir = (roots or ModelRoots(any_path=True)).check_dir(spec.hf_dir, "model.hf_dir")
         config_path = hf_dir / "config.json"
         if not config_path.is_file():
             raise NotFound(f"model.hf_dir: no config.json in {quote(spec.hf_dir)}")

@@ -199,7 +199,7 @@ def _wire_spec(spec: common_pb2.ModelSpec, model: ResolvedModel) -> common_pb2.M
     service may run elsewhere), the dtype explicitly (its default depends on its own device)."""
     wire = common_pb2.ModelSpec(dtype=model.dtype_name)
     if spec.WhichOneof("source") == "hf_dir":
-        wire.config_json = (Path(spec.hf_dir) / "config.json").read_text()
+        wire.config_json = (model.hf_dir / "config.json").read_text()  # the path the model roots checked
     elif spec.WhichOneof("source") == "preset":
         wire.preset = spec.preset
     else:
