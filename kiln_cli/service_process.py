@@ -72,7 +72,7 @@ class ServiceProcess:
                             f"(last: {last})\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait for the graceful drain; SIGKILL and ServiceFailed if it hangs or exits non-zero."""
+        """SIGTERM, then wait for the graceful shutdown; SIGKILL and ServiceFailed if it hangs or exits non-zero."""
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
         self.process.send_signal(signal.SIGTERM)
@@ -114,7 +114,7 @@ def child_environment() -> dict:
 
 class LocalServices:
     """The compile and execute services as child processes on loopback: what ``kiln demo`` and ``kiln bench``
-    run when no server address is given. ``start()`` returns once both are healthy; ``stop()`` drains them."""
+    run when no server address is given. ``start()`` returns once both are healthy; ``stop()`` sends each SIGTERM."""
 
     def __init__(self, workdir: Path, store: Path, env: dict | None = None):
         compile_port, exec_port = free_port(), free_port()

@@ -1,9 +1,9 @@
 """Builds the ``forward`` spans and the forward-time histogram, in a process of its own.
 
-A forward span that links the 32 requests of a batch costs the SDK and the OTLP encoder about a millisecond of
-Python. In the serving process that millisecond holds the GIL the engine thread needs between steps (it cost 20% of
-decode throughput at batch 32 on an H200), so ForwardSpans ships each step's few numbers here over a pipe and this
-process, with the serving process's resource and the same OTEL_* settings, builds and exports them.
+A forward span that links every request of a large batch is a lot of SDK and OTLP-encoder Python. In the serving
+process that work holds the GIL the engine thread needs between steps (BENCHMARKS.md, tracing cost, has what it
+cost), so ForwardSpans ships each step's few numbers here over a pipe and this process, with the serving process's
+resource and the same OTEL_* settings, builds and exports them.
 
 Messages, in the order the serving process sent them (a request starts before any step serves it):
     (REQUEST_STARTED, request_id, trace_id, span_id, trace_flags)   its span's context, for links

@@ -119,7 +119,8 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
 
 def _release(served: ServedModel) -> None:
     """Stop the model's engine and give its weights and KV cache back to the device. In a worker thread: the full
-    garbage collection held the event loop, and every other model's streams, for ~0.6 s (Llama-3-8B, H200 host)."""
+    garbage collection of a large model held the event loop, and every other model's streams, for a noticeable
+    pause (BENCHMARKS.md, the py-spy profile)."""
     engine, served.started = served.started.engine, None
     engine.stop()
     del engine  # the last reference: what the collection frees

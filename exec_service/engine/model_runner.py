@@ -38,8 +38,8 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: ResolvedModel, config: EngineConfig):
-        self.resolved = model
+    def __init__(self, resolved: ResolvedModel, config: EngineConfig):
+        self.resolved = resolved
         self.config = config
         self.device = config.device
         self.token_model: TokenModel | None = None
@@ -73,7 +73,7 @@ class ModelRunner:
                 raise FailedPrecondition(f"bundle {bundle_dir.name[:12]}: torch refused to load it: "
                                          f"{first_line(exc)}") from exc
             # The first call at a token count does one-off work (kernel loads, launch setup): pay it here for the
-            # smallest and the largest step, not in a request's step (670 ms for Llama-3-8B on an H200).
+            # smallest and the largest step, not in a request's step (BENCHMARKS.md, startup and throughput).
             for tokens in sorted({min(2, self.config.max_num_batched_tokens), self.config.max_num_batched_tokens}):
                 self.compiled(self.token_model, torch.zeros(tokens, dtype=torch.int64, device=self.device),
                               torch.arange(tokens, device=self.device))
@@ -81,7 +81,7 @@ class ModelRunner:
 
     def _warm_up_paged_attention(self) -> None:
         """A two-token prefill, then one decode step, of one sequence through the paged KV cache: the attention
-        kernels are built here (Triton's JIT, 0.7 s on an H200), not in a request's first step. The sequence sits
+        kernels are built here (Triton's JIT), not in a request's first step. The sequence sits
         in the first blocks, which hold nothing yet; every real token's KV is written before it is read."""
         blocks = -(-3 // self.config.block_size)
         if self.num_blocks < blocks:
