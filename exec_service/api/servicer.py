@@ -51,8 +51,8 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         # and thread run in copies of this context, so the startup spans are children of this call's server span.
         load = asyncio.ensure_future(self._load(served, target, progress.emit))
         async for phase in progress.until_done(load):
-            yield exec_pb2.LoadModelEvent(phase=phase)
-        yield exec_pb2.LoadModelEvent(ready=load.result().sizing)
+            yield exec_pb2.LoadModelEvent(phase=messages.startup_phase_message(phase))
+        yield exec_pb2.LoadModelEvent(ready=messages.model_sizing_message(load.result().sizing))
 
     async def _load(self, served: ServedModel, target: LoadTarget, emit) -> StartedModel:
         try:

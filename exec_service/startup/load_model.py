@@ -24,12 +24,11 @@ from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument
 from kiln.model_spec import ResolvedModel
 from kiln.runtime_mode import RuntimeMode
-from protos import common_pb2, exec_pb2
+from protos import common_pb2
 from tracing import spans
 
 log = logging.getLogger(__name__)
 
-EmitFn = Callable[[exec_pb2.StartupPhase], None]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -48,9 +47,44 @@ class LoadTarget:
 
 
 @dataclass
+class StartupPhase:
+    """One phase as it ends, or progress inside it: a LoadModel stream event (api/messages.py makes the message)."""
+
+    phase: str  # fetch, load_weights, profile_memory, load_compiled, capture_cudagraphs, ready
+    seconds: float = 0.0  # 0 on progress
+    detail: str = ""  # a line for a person, e.g. "# GPU blocks: 27846"
+    progress: bool = False
+
+
+EmitFn = Callable[[StartupPhase], None]
+
+
+@dataclass(frozen=True)
+class ModelSizing:
+    """What startup sized and chose: LoadModel's last event, and each ready model's entry in ListModels."""
+
+    key: str  # the bundle served; "" in eager mode
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    kv_cache_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    cudagraph_bytes: int  # reserved for (CUDA) or taken by CUDA graphs
+    total_memory_bytes: int  # 0 on CPU
+    capture_sizes: tuple[int, ...]
+    runtime_mode: RuntimeMode
+    device: str
+    timings: tuple[tuple[str, float], ...]  # every phase with its seconds
+    vocab_size: int
+
+
+@dataclass
 class StartedModel:
     engine: Engine
-    sizing: exec_pb2.ModelSizing
+    sizing: ModelSizing
     tokenizer: object | None
 
 
@@ -60,21 +94,21 @@ class _Phases:
     def __init__(self, name: str, emit: EmitFn):
         self.name = name
         self.emit = emit
-        self.timings: list[common_pb2.PhaseTiming] = []
+        self.timings: list[tuple[str, float]] = []
 
     @contextmanager
-    def phase(self, phase: str) -> Iterator[tuple[exec_pb2.StartupPhase, trace.Span]]:
-        event = exec_pb2.StartupPhase(phase=phase)
+    def phase(self, phase: str) -> Iterator[tuple[StartupPhase, trace.Span]]:
+        event = StartupPhase(phase)
         start = time.perf_counter()
         with spans.tracer.start_as_current_span(phase) as span:
             yield event, span  # the phase fills in its detail and its span's attributes
         event.seconds = time.perf_counter() - start
         log.info("%s: %s took %.2f s%s", self.name, phase, event.seconds, f" ({event.detail})" if event.detail else "")
-        self.timings.append(common_pb2.PhaseTiming(phase=phase, seconds=event.seconds))
+        self.timings.append((phase, event.seconds))
         self.emit(event)
 
     def progress(self, phase: str, detail: str) -> None:
-        self.emit(exec_pb2.StartupPhase(phase=phase, detail=detail, progress=True))
+        self.emit(StartupPhase(phase, detail=detail, progress=True))
 
 
 def start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: list[StepObserver],
@@ -145,14 +179,14 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
     engine = Engine(target.name, runner, config, _eos_token_ids(target.resolved), step_observers)
     engine.start()
     total = time.perf_counter() - started
-    emit(exec_pb2.StartupPhase(phase="ready", seconds=total, detail=f"{target.name} serves ({config.runtime_mode})"))
-    sizing = exec_pb2.ModelSizing(
-        key=common_pb2.ArtifactKey(digest=fetched.key if fetched else ""), num_kv_blocks=runner.num_blocks,
+    emit(StartupPhase("ready", seconds=total, detail=f"{target.name} serves ({config.runtime_mode})"))
+    sizing = ModelSizing(
+        key=fetched.key if fetched else "", num_kv_blocks=runner.num_blocks,
         block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=runner.num_blocks * kv_spec.block_bytes,
         weights_bytes=runner.weights_bytes, activation_peak_bytes=activation_peak, cudagraph_bytes=cudagraph_bytes,
-        total_memory_bytes=budget.total_bytes, capture_sizes=list(config.capture_sizes),
-        runtime_mode=config.runtime_mode.value, device=config.device, timings=phases.timings,
+        total_memory_bytes=budget.total_bytes, capture_sizes=config.capture_sizes,
+        runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
         vocab_size=target.resolved.config.vocab_size)
     return StartedModel(engine, sizing, tokenizer)
 
