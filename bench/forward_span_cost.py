@@ -3,25 +3,21 @@
 A loop stands in for the engine thread: each step waits --device-ms with the GIL released (as the host does while
 the device runs the forward), then runs --host-us of Python (the step's own host work), then calls the real
 ForwardSpans observer with a StepRecord serving --batch-size requests (one link each). Spans go through the real
-writer process, SDK batch processor and OTLP exporter to a real receiver (tests/otlp_receiver.py) on loopback.
+writer process, SDK batch processor and OTLP exporter to a real receiver (tracing/otlp_receiver.py) on loopback.
 
 usage: python bench/forward_span_cost.py [--batch-size 32] [--steps 400]
 """
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
 from kiln.step_record import StepRecord
 from tracing.forward_spans import ForwardSpans
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from otlp_receiver import OtlpReceiver  # noqa: E402 - the tests' receiver, not an installed module
+from tracing.otlp_receiver import OtlpReceiver
 
 
 def host_work(iterations: int) -> int:

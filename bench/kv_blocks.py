@@ -1,7 +1,7 @@
 """KV blocks from a memory profile on the eager model (what Kiln does) against one on the compiled model.
 
 Both profiles run the same forward at --tokens tokens plus the logits of --rows rows, measure the peak above the
-weights, and size the cache with the execute service's own formula (exec_service.kv_cache.cuda_budget).
+weights, and size the cache with the execute service's own formula (exec_service.startup.kv_sizing.cuda_budget).
 
 usage: python bench/kv_blocks.py --bundle STORE/KEY [--preset llama-3-8b] [--tokens 2048]
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from exec_service.engine import kv_cache
-from exec_service.engine.model_runner import CUDAGRAPH_RESERVE_BYTES
+from exec_service.startup import kv_sizing
 from kiln.bundle import load_compiled
 from kiln.model import build_model, weights_bytes
 from kiln.model_spec import resolve
@@ -48,8 +48,8 @@ def main() -> None:
     compiled_peak = peak_bytes(lambda ids, pos: compiled(model, ids, pos), model, args.tokens, args.rows)
     rows = []
     for label, peak in (("eager (Kiln)", eager_peak), ("compiled", compiled_peak)):
-        budget = kv_cache.cuda_budget(args.utilization, weights_bytes(model), peak, CUDAGRAPH_RESERVE_BYTES, 0,
-                                      torch.device("cuda"))
+        budget = kv_sizing.cuda_budget(args.utilization, weights_bytes(model), peak, kv_sizing.CUDAGRAPH_RESERVE_BYTES,
+                                       0, torch.device("cuda"))
         rows.append((label, peak, budget.kv_cache_bytes // spec.block_bytes))
     print(f"\n{args.preset} bf16, profile at {args.tokens} tokens, utilization {args.utilization}, "
           f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")

@@ -4,7 +4,7 @@
 greedy, ignore_eos) through the real gRPC servers, started as `LocalServices` child processes on one store:
 
 1. tracing off: the services get no OTEL_* variables;
-2. tracing on: OTLP to a receiver (tests/otlp_receiver.py, the protocol Jaeger ingests) in a process of its own,
+2. tracing on: OTLP to a receiver (tracing/otlp_receiver.py, the protocol Jaeger ingests) in a process of its own,
    as Jaeger is, so decoding spans does not slow this process's client; KILN_FORWARD_SPAN_RATIO=1.0, so every
    step is a span;
 3. the same execute service after that receiver is stopped: every export fails, and serving must not slow down;
@@ -37,9 +37,7 @@ from kiln_cli.bench_commands import decode_batch
 from kiln_cli.service_process import LocalServices, child_environment
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 from tracing import spans
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from otlp_receiver import OtlpReceiver  # noqa: E402 - the tests' receiver, not an installed module
+from tracing.otlp_receiver import OtlpReceiver
 
 MODEL = "bench-tracing"
 AGREEMENT = 0.05  # forward-span median vs CUDA-event median
@@ -121,7 +119,7 @@ async def run_services(workdir: Path, store: Path, env: dict, args, phases) -> l
 
 
 class ReceiverProcess:
-    """tests/otlp_receiver.py's OtlpReceiver, run in a spawned process and asked for its spans over a pipe."""
+    """tracing/otlp_receiver.py's OtlpReceiver, run in a spawned process and asked for its spans over a pipe."""
 
     def __init__(self):
         spawn = multiprocessing.get_context("spawn")

@@ -1,20 +1,24 @@
-"""What one engine step did, handed to the step observers (forward spans, metrics) after the step's sync."""
+"""What one engine step did: the record the engine hands its step observers (forward stats, forward spans, the
+batch-size log) after the step's own sync. Plain values, so it pickles cheaply to the forward-span writer."""
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    model: str
+class StepRecord(NamedTuple):
+    model: str  # the served model's name
     batch_size: int  # sequences in the step
     num_tokens: int  # tokens scheduled: prefill chunks plus decodes
-    padded_size: int  # tokens the forward ran, CUDA-graph padding included
-    runtime_mode: str  # eager / compiled / cudagraph
+    padded_size: int  # tokens the compiled code or CUDA graph ran, padding included
+    runtime_mode: str  # a kiln.runtime_mode.RuntimeMode value: eager / compiled / cudagraph
     phase: str  # prefill / decode / mixed
-    start_ns: int  # the forward's start and end, wall-clock ns
+    start_ns: int  # the forward's start and end, wall-clock ns (CUDA events on GPU, host clock on CPU)
     end_ns: int
     request_ids: tuple[str, ...]  # the requests the step served, in batch order
 
     @property
     def forward_ms(self) -> float:
         return (self.end_ns - self.start_ns) / 1e6
+
+
+StepObserver = Callable[[StepRecord], None]  # called on the engine thread after each step; must not block

@@ -18,9 +18,9 @@ from google.protobuf import json_format
 from exec_service.telemetry.forward_stats import stats_line
 from kiln.client_security import PLAINTEXT, ClientSecurity
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.runtime_mode import RuntimeMode
 from kiln_cli import security_args
 from kiln_cli.compile_commands import DEFAULT_STORE, model_spec
-from kiln_cli.exec_commands import RUNTIME_MODES
 from kiln_cli.output import report_rpc_error
 from kiln_cli.service_process import LocalServices, ServiceFailed
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("-O", "--compile-config", default="{}",
                    help="CompileConfig as JSON (or a Python dict literal), e.g. '{\"compile_sizes\": [1]}'")
-    p.add_argument("--runtime-mode", choices=sorted(RUNTIME_MODES), default=None, help="default: the device's best")
+    p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
+                   help="default: the device's best")
     p.add_argument("--dtype", default="")
     p.add_argument("--max-num-seqs", type=int, default=0)
     p.add_argument("--kv-cache-bytes", type=int, default=0)
@@ -93,7 +94,7 @@ async def _bench(address: str, args, config: common_pb2.CompileConfig, client: C
     request = exec_pb2.LoadModelRequest(
         name=name, model=model_spec(args.model, args.dtype), config=config, max_num_seqs=args.max_num_seqs,
         kv_cache_bytes=args.kv_cache_bytes,
-        runtime_mode=RUNTIME_MODES.get(args.runtime_mode, exec_pb2.RUNTIME_MODE_UNSPECIFIED))
+        runtime_mode=args.runtime_mode.to_proto() if args.runtime_mode else exec_pb2.RUNTIME_MODE_UNSPECIFIED)
     async with client.aio_channel(address, CHANNEL_OPTIONS) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
         async for event in stub.LoadModel(request):

@@ -6,13 +6,12 @@ import sys
 import grpc
 
 from kiln.grpc_server import serve_until_signal
+from kiln.runtime_mode import RuntimeMode
 from kiln_cli import security_args
 from kiln_cli.compile_commands import add_compile_config_args, client_channel, compile_config, model_spec
 from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
-RUNTIME_MODES = {"eager": exec_pb2.RUNTIME_MODE_EAGER, "compiled": exec_pb2.RUNTIME_MODE_COMPILED,
-                 "cudagraph": exec_pb2.RUNTIME_MODE_CUDAGRAPH}
 FINISH_REASONS = {exec_pb2.FINISH_REASON_STOP: "stop", exec_pb2.FINISH_REASON_LENGTH: "length"}
 
 
@@ -43,7 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--block-size", type=int, default=0)
     p.add_argument("--capture-sizes", default="", help="comma-separated batch sizes with a CUDA graph")
     p.add_argument("--max-num-waiting", type=int, default=0)
-    p.add_argument("--runtime-mode", choices=sorted(RUNTIME_MODES), default=None,
+    p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
                    help="default: cudagraph on CUDA, compiled on CPU")
     add_compile_config_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -94,13 +93,8 @@ def _ints(text: str) -> list[int]:
 
 
 def run_exec_server(args) -> int:
-    from exec_service.server import DEFAULT_CACHE_DIR, start_exec_server
-    from exec_service.telemetry.batch_size_log import BatchSizeLog, log_batchsize_interval
-    from exec_service.telemetry.forward_stats import ForwardStats
-    from exec_service.telemetry.request_spans import RequestSpans
+    from exec_service.server import DEFAULT_CACHE_DIR, ExecServerSettings, start_exec_server
     from kiln.signing import TrustedKeys
-    from tracing.forward_spans import ForwardSpans
-    from tracing.grpc_instrumentation import server_interceptors
     from tracing.setup import init_tracing
 
     if not args.trusted_keys:
@@ -111,25 +105,12 @@ def run_exec_server(args) -> int:
     security = security_args.server_security(args)
     client = security_args.client_security(args)
     telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
-    forward_stats = ForwardStats()
-    # Each observer only where it has work: with tracing and the interval off, a step pays for neither.
-    forward_spans = ForwardSpans(telemetry.resource) if telemetry.enabled else None
-    observers = [forward_spans] if forward_spans else []
-    request_spans = RequestSpans(watchers=[forward_spans] if forward_spans else [])  # for forward spans' links
-    if log_batchsize_interval() is not None:
-        observers.append(BatchSizeLog(forward_stats))
-
+    settings = ExecServerSettings(f"{args.host}:{args.port}", trusted, args.compile_server or None, args.store,
+                                  args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args))
     try:
-        serve_until_signal(lambda: start_exec_server(
-            f"{args.host}:{args.port}", args.compile_server or None, args.store, args.cache or DEFAULT_CACHE_DIR,
-            server_interceptors(), observers, forward_stats, request_spans, trusted=trusted, security=security,
-            client=client, model_roots=security_args.model_roots(args)))
+        serve_until_signal(lambda: start_exec_server(settings))
     finally:
-        if forward_spans:
-            forward_spans.stop()  # the writer exports the last steps while this process's exporters flush
         telemetry.shutdown()
-        if forward_spans:
-            forward_spans.join()
     return 0
 
 
@@ -140,7 +121,7 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=_ints(args.capture_sizes), max_num_waiting=args.max_num_waiting,
-        runtime_mode=RUNTIME_MODES.get(args.runtime_mode, exec_pb2.RUNTIME_MODE_UNSPECIFIED))
+        runtime_mode=args.runtime_mode.to_proto() if args.runtime_mode else exec_pb2.RUNTIME_MODE_UNSPECIFIED)
     if args.key:
         request.key.CopyFrom(common_pb2.ArtifactKey(digest=args.key))
     return request

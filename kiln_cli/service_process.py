@@ -72,7 +72,7 @@ class ServiceProcess:
                             f"(last: {last})\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then wait for the graceful drain; SIGKILL and ServiceFailed if it hangs or exits non-zero."""
+        """SIGTERM, then wait for the graceful shutdown; SIGKILL and ServiceFailed if it hangs or exits non-zero."""
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
         self.process.send_signal(signal.SIGTERM)
@@ -119,7 +119,7 @@ def child_environment() -> dict:
 
 class LocalServices:
     """The compile and execute services as child processes on loopback: what ``kiln demo`` and ``kiln bench``
-    run when no server address is given. ``start()`` returns once both are healthy; ``stop()`` drains them.
+    run when no server address is given. ``start()`` returns once both are healthy; ``stop()`` sends each SIGTERM.
 
     Bundles are signed as anywhere else: with a key pair kept beside the store (``<store>.keys``, made on first
     use), so a kept store stays loadable from one run to the next.

@@ -14,6 +14,8 @@ from protos import common_pb2, compile_pb2, compile_pb2_grpc
 # The compile config every test shares, so the tiny model compiles once per session.
 TINY_MODEL = common_pb2.ModelSpec(preset="tiny-llama")
 TINY_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[8], max_num_batched_tokens=128)
+# A torch version no machine runs: a bundle factor that differs from this process's, whichever torch it has.
+ANOTHER_TORCH = "0.0.0"
 
 
 class BackgroundServer:
@@ -103,7 +105,7 @@ def tiny_key(tiny_compiles) -> str:
 @pytest.fixture(scope="session")
 def otlp_receiver():
     """A real OTLP/gRPC receiver on loopback: what Jaeger would ingest, kept for the session."""
-    from otlp_receiver import OtlpReceiver
+    from tracing.otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
     yield receiver
@@ -162,10 +164,10 @@ def step_records() -> list:
 @pytest.fixture(scope="session")
 def exec_server(compile_server, tiny_key, exec_cache, step_records, trusted_keys):
     """One real exec server for the session; the tiny model is compiled (tiny_key) before it fetches anything."""
-    from exec_service.server import start_exec_server
+    from exec_service.server import ExecServerSettings, start_exec_server
 
-    server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", compile_server.address, cache_dir=exec_cache,
-                                                        step_observers=[step_records.append], trusted=trusted_keys))
+    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address, cache_dir=exec_cache)
+    server = BackgroundServer(lambda: start_exec_server(settings, step_observers=[step_records.append]))
     yield server
     server.stop()
 

@@ -3,7 +3,7 @@
 import copy
 import json
 
-from conftest import TINY_CONFIG, TINY_MODEL
+from conftest import ANOTHER_TORCH, TINY_CONFIG, TINY_MODEL
 
 from kiln import cache_key
 from kiln.compile_config import CompileConfig
@@ -48,12 +48,12 @@ def test_key_follows_dtype_sizes_config_and_torch_version():
     assert _key(common_pb2.ModelSpec(config_json=json.dumps(other_model))) != base
     factors = cache_key.key_factors(resolve(TINY_MODEL, "cpu"), CompileConfig.from_proto(TINY_CONFIG))
     assert cache_key.digest(factors) == base
-    factors["environment"]["torch"] = "2.11.0"
+    factors["environment"]["torch"] = ANOTHER_TORCH
     assert cache_key.digest(factors) != base
 
 
 def test_environment_mismatch_names_the_factor():
-    stored = cache_key.environment_factors("cpu") | {"torch": "2.11.0"}
+    stored = cache_key.environment_factors("cpu") | {"torch": ANOTHER_TORCH}
     mismatches = cache_key.mismatched_environment(stored, "cpu")
     assert [m[0] for m in mismatches] == ["torch"]
-    assert mismatches[0][1] == "2.11.0"
+    assert mismatches[0][1] == ANOTHER_TORCH

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import grpc
@@ -355,7 +354,7 @@ class LocalCompose:
 
 @pytest.fixture(scope="module")
 def otlp():
-    from otlp_receiver import OtlpReceiver
+    from tracing.otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
     yield receiver
@@ -364,6 +363,8 @@ def otlp():
 
 def test_compose_commands_run_locally_become_healthy_and_serve_generate(cpu_compose, tmp_path, otlp):
     local = LocalCompose(cpu_compose, tmp_path, otlp.port)
+    if read_only_bind([tmp_path]) is None:  # run writable, it would not show what compose's :ro mounts show
+        pytest.skip("no mount namespace here: the services cannot get their volumes read-only, as compose mounts them")
     keys = subprocess.run(local.argv(cpu_compose["services"][KEYS_SERVICE]["command"]), capture_output=True,
                           text=True, timeout=120, env=local.env(KEYS_SERVICE))
     assert keys.returncode == 0, keys.stderr
@@ -373,12 +374,8 @@ def test_compose_commands_run_locally_become_healthy_and_serve_generate(cpu_comp
             argv = local.argv(cpu_compose["services"][name]["command"])
             read_only_mounts = [local.volumes[v["target"]] for v in cpu_compose["services"][name]["volumes"]
                                 if v.get("read_only")]
-            read_only = read_only_bind(read_only_mounts)
-            if read_only is None:
-                warnings.warn(f"{name} ran with its read-only volumes writable: no mount namespace here to mount "
-                              f"them read-only as compose does", stacklevel=1)
-            else:
-                argv = read_only + argv
+            if read_only_mounts:
+                argv = read_only_bind(read_only_mounts) + argv
             services[name] = ServiceProcess(name, argv, local.address(name), tmp_path / f"{name}.log",
                                             local.env(name))
             services[name].start()

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from otlp_receiver import OtlpReceiver
+
+from tracing.otlp_receiver import OtlpReceiver
 
 # The bound for a fresh clone on a 2-core CPU, cold Inductor compile included.
 DEMO_BUDGET_S = 300

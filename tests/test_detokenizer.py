@@ -19,9 +19,9 @@ def tokenizer():
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     corpus = ["héllo wörld 😀 日本語 the quick brown fox", "naïve café résumé 🎉🎉 über", "plain ascii text"] * 20
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300,
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
 
 
 def test_messages_join_into_the_full_text_and_never_split_a_character(tokenizer):
@@ -37,21 +37,11 @@ def test_messages_join_into_the_full_text_and_never_split_a_character(tokenizer)
         assert "".join(pieces) == TEXT
 
 
-class WindowSizes(PreTrainedTokenizerFast):
-    """The same tokenizer, noting how many tokens each decode was given."""
-
-    sizes: list[int]
-
-    def decode(self, token_ids, **kwargs):
-        self.sizes.append(len(token_ids))
-        return super().decode(token_ids, **kwargs)
-
-
-def test_each_message_decodes_a_window_not_the_whole_output(tokenizer):
-    measured = WindowSizes(tokenizer_object=tokenizer.backend_tokenizer)
-    measured.sizes = []
-    ids = tokenizer.encode(TEXT) * 40  # ~1000 tokens
-    detokenizer = Detokenizer(measured)
-    text = "".join(detokenizer.add([token]) for token in ids)
-    assert text == TEXT * 40
-    assert max(measured.sizes) <= 8  # bounded by the longest character's tokens, not by the output's length
+def test_special_tokens_add_no_text(tokenizer):
+    """As the whole decode skips them (skip_special_tokens): an end-of-sequence token sent as a message adds ''."""
+    ids = tokenizer.encode(TEXT)
+    detokenizer = Detokenizer(tokenizer)
+    pieces = [detokenizer.add([token]) for token in [*ids, tokenizer.eos_token_id, *ids]]
+    assert pieces[len(ids)] == ""
+    assert "".join(pieces) == TEXT + TEXT == tokenizer.decode([*ids, tokenizer.eos_token_id, *ids],
+                                                               skip_special_tokens=True)

@@ -10,13 +10,14 @@ from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine
 from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.sequence import SamplingParams, Sequence
-from exec_service.telemetry.forward_stats import ForwardStats
+from exec_service.startup import kv_sizing
 from kiln.errors import Internal
 from kiln.model_spec import resolve
+from kiln.runtime_mode import RuntimeMode
 
-CONFIG = EngineConfig(device="cpu", runtime_mode="eager", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
-                      block_size=16, gpu_memory_utilization=0.9, kv_cache_bytes=1 << 20, capture_sizes=(),
-                      max_num_waiting=16)
+CONFIG = EngineConfig(device="cpu", runtime_mode=RuntimeMode.EAGER, max_model_len=64, max_num_seqs=4,
+                      max_num_batched_tokens=64, block_size=16, gpu_memory_utilization=0.9, kv_cache_bytes=1 << 20,
+                      capture_sizes=(), max_num_waiting=16)
 
 
 class FailingOnce:
@@ -43,9 +44,10 @@ class FailingOnce:
 def engine():
     runner = ModelRunner(resolve(TINY_MODEL, "cpu"), CONFIG)
     runner.load_weights("dummy", 0)
-    runner.allocate_kv_cache(runner.memory_budget(0))
+    runner.allocate_kv_cache(kv_sizing.num_blocks(kv_sizing.memory_budget(CONFIG, runner.weights_bytes, 0),
+                                                  runner.kv_cache_spec, CONFIG.max_model_len))
     runner.execute = FailingOnce(runner.execute)
-    engine = Engine("tiny", runner, CONFIG, frozenset(), ForwardStats())
+    engine = Engine("tiny", runner, CONFIG, frozenset())
     engine.start()
     yield engine
     engine.stop()

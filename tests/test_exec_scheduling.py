@@ -6,8 +6,7 @@ import torch
 from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.sampler import Sampler
 from exec_service.engine.scheduler import Scheduler
-from exec_service.engine.sequence import SamplingParams, Sequence, SequenceStatus
-from protos import exec_pb2
+from exec_service.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0)
 
@@ -96,15 +95,15 @@ def test_abort_frees_blocks_wherever_the_request_is():
 def test_stop_conditions():
     s = seq("s", 3, SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=frozenset({9})))
     s.append_token(2)  # eos, not ignored
-    assert s.finish_reason == exec_pb2.FINISH_REASON_STOP
+    assert s.finish_reason == FinishReason.STOP
     s = seq("s", 3, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     s.append_token(2)
     assert not s.is_finished
     s.append_token(2)
-    assert s.finish_reason == exec_pb2.FINISH_REASON_LENGTH
+    assert s.finish_reason == FinishReason.LENGTH
     s = seq("s", 3, SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=frozenset({9})))
     s.append_token(9)
-    assert s.finish_reason == exec_pb2.FINISH_REASON_STOP and s.output_token_ids == [9]
+    assert s.finish_reason == FinishReason.STOP and s.output_token_ids == [9]
 
 
 @pytest.fixture

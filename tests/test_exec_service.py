@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from conftest import TINY_MODEL, BackgroundServer, load_model
+from conftest import ANOTHER_TORCH, TINY_MODEL, BackgroundServer, load_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from exec_service.server import start_exec_server
+from exec_service.server import ExecServerSettings, start_exec_server
 from kiln import bundle
 from kiln.artifact_store import FilesystemStore
 from kiln.counters import compile_counts
@@ -201,9 +201,10 @@ def test_cancellation_and_deadline_free_blocks(exec_stub, tiny_loaded):
     call.cancel()
     wait_until(lambda: model_info(exec_stub, "tiny").num_free_blocks == start)
 
+    # 211 tokens to max_model_len 512: a few hundred ms of steps even on a fast idle host, well past the deadline.
     with pytest.raises(grpc.RpcError) as exc:
         list(exec_stub.Generate(exec_pb2.GenerateRequest(model="tiny", prompt_ids=prompt_of(300), max_tokens=2000,
-                                                         ignore_eos=True), timeout=0.5))
+                                                         ignore_eos=True), timeout=0.1))
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: model_info(exec_stub, "tiny").num_free_blocks == start)
     assert model_info(exec_stub, "tiny").num_running == 0
@@ -301,7 +302,7 @@ def test_bundle_for_another_torch_is_failed_precondition(exec_stub, compile_stor
     forged = "f" * 64
     shutil.copytree(compile_store / tiny_key, compile_store / forged)
     factors = json.loads((compile_store / forged / bundle.KEY_FACTORS).read_text())
-    factors["environment"]["torch"] = "2.11.0"
+    factors["environment"]["torch"] = ANOTHER_TORCH
     (compile_store / forged / bundle.KEY_FACTORS).write_text(json.dumps(factors))
     manifest = bundle.read_manifest(compile_store / forged)
     fields = {k: v for k, v in manifest.__dict__.items() if k not in ("files", "key")}
@@ -311,9 +312,9 @@ def test_bundle_for_another_torch_is_failed_precondition(exec_stub, compile_stor
     with pytest.raises(grpc.RpcError) as exc:
         load_model(exec_stub, "tiny-old-torch", key=common_pb2.ArtifactKey(digest=forged))
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert f"was compiled for torch 2.11.0, this process has {torch.__version__}" in exc.value.details()
+    assert f"was compiled for torch {ANOTHER_TORCH}, this process has {torch.__version__}" in exc.value.details()
     info = model_info(exec_stub, "tiny-old-torch")
-    assert info.state == exec_pb2.MODEL_STATE_FAILED and "torch 2.11.0" in info.error
+    assert info.state == exec_pb2.MODEL_STATE_FAILED and f"torch {ANOTHER_TORCH}" in info.error
     with pytest.raises(grpc.RpcError) as exc:
         generate(exec_stub, "tiny-old-torch", [1])
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "failed to load" in exc.value.details()
@@ -425,7 +426,8 @@ def test_concurrent_generates_on_two_models(exec_stub, tiny_loaded, hf_tiny):
 
 def test_shared_store_is_read_in_place(compile_store, tiny_key, tiny_loaded, tmp_path, trusted_keys):
     """A replica on the compile service's volume needs no compile service for a bundle that is there."""
-    server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", store_dir=compile_store, trusted=trusted_keys))
+    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, store_dir=compile_store)
+    server = BackgroundServer(lambda: start_exec_server(settings))
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)

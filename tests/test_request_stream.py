@@ -4,20 +4,21 @@ import asyncio
 import threading
 
 from exec_service.engine.request_stream import RequestOutput, RequestStream, deliver
+from exec_service.engine.sequence import FinishReason, Usage
 from kiln.errors import Internal
-from protos import exec_pb2
 
 
 def test_pending_outputs_go_out_as_one_and_in_order():
     async def scenario():
         loop = asyncio.get_running_loop()
         streams = [RequestStream(loop), RequestStream(loop)]
-        usage = exec_pb2.Usage(output_tokens=4)
+        usage = Usage(prompt_tokens=1, output_tokens=4, time_to_first_token_s=0.1, total_s=0.2, queue_s=0.0,
+                      num_preemptions=0)
         # The engine thread delivers four steps while the handlers are busy elsewhere.
         def engine():
             for token in (1, 2, 3):
                 deliver([(s, RequestOutput([token + 10 * i])) for i, s in enumerate(streams)])
-            deliver([(s, RequestOutput([4 + 10 * i], exec_pb2.FINISH_REASON_LENGTH, usage))
+            deliver([(s, RequestOutput([4 + 10 * i], FinishReason.LENGTH, usage))
                      for i, s in enumerate(streams)])
         thread = threading.Thread(target=engine)
         thread.start()
@@ -27,7 +28,7 @@ def test_pending_outputs_go_out_as_one_and_in_order():
 
     first, second = asyncio.run(scenario())
     assert [o.token_ids for o in first] == [[1, 2, 3, 4]]
-    assert first[0].finish_reason == exec_pb2.FINISH_REASON_LENGTH and first[0].usage.output_tokens == 4
+    assert first[0].finish_reason == FinishReason.LENGTH and first[0].usage.output_tokens == 4
     assert [o.token_ids for o in second] == [[11, 12, 13, 14]]
 
 
@@ -55,7 +56,7 @@ def test_outputs_one_at_a_time_when_the_handler_keeps_up():
 
         task = asyncio.ensure_future(handler())
         for token in range(3):
-            stream.put(RequestOutput([token], exec_pb2.FINISH_REASON_STOP if token == 2 else 0))
+            stream.put(RequestOutput([token], FinishReason.STOP if token == 2 else None))
             await asyncio.sleep(0.01)
         await task
         return received

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, field
 
 import pytest
 from conftest import TINY_CONFIG, TINY_MODEL, client_tracer, otel_env
@@ -28,9 +27,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from exec_service.telemetry.batch_size_log import BatchSizeLog, log_batchsize_interval
 from exec_service.telemetry.forward_stats import ForwardStats, stats_line
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.step_record import StepRecord
 from protos import compile_pb2, compile_pb2_grpc
 from tracing import spans
-from tracing.forward_span_writer import DURATION_BUCKETS_MS, FORWARD_DURATION, ForwardSpanWriter, ForwardStep
+from tracing.forward_span_writer import DURATION_BUCKETS_MS, FORWARD_DURATION, ForwardSpanWriter
 from tracing.forward_spans import EvenSampler, ForwardSpans, forward_span_ratio
 from tracing.grpc_instrumentation import instrumented_aio_channel, instrumented_channel
 
@@ -157,7 +157,9 @@ def test_dead_collector_never_slows_span_creation():
         import json, time
         from opentelemetry import trace
         from opentelemetry.sdk.trace import TracerProvider
-        from tracing.setup import init_tracing
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from tracing.setup import MAX_QUEUE_SIZE, init_tracing
 
         def loop(tracer) -> float:
             start = time.perf_counter()
@@ -166,15 +168,18 @@ def test_dead_collector_never_slows_span_creation():
                     pass
             return time.perf_counter() - start
 
-        baseline_s = loop(TracerProvider().get_tracer("bench"))  # the SDK with nowhere to send spans
+        live = TracerProvider()  # the same batch processor, in front of an exporter that always takes the spans
+        live.add_span_processor(BatchSpanProcessor(InMemorySpanExporter(), max_queue_size=MAX_QUEUE_SIZE))
+        baseline_s = loop(live.get_tracer("bench"))
         telemetry = init_tracing("kiln-exec")
         loop_s = loop(trace.get_tracer("bench"))
         start = time.perf_counter()
         telemetry.shutdown()
         print(json.dumps({"baseline_s": baseline_s, "loop_s": loop_s, "shutdown_s": time.perf_counter() - start}))
     """, otel_env(f"http://127.0.0.1:{dead}", OTEL_BSP_SCHEDULE_DELAY="10"))
-    # Generous: the export retries run on the SDK's thread, so the loop costs about what it costs with no exporter.
-    assert out["loop_s"] < 2 * out["baseline_s"] + 2, out
+    # The export retries run on the SDK's thread: spans cost what they cost with a live collector (2x: noise of a
+    # shared CI host; blocking on the dead collector costs orders of magnitude more).
+    assert out["loop_s"] < 2 * out["baseline_s"], out
     assert out["shutdown_s"] < 10, out  # Telemetry's bound (5 s), not the SDK's 30 s
 
 
@@ -243,21 +248,6 @@ def test_a_dead_span_writer_never_stops_the_engine(caplog):
 
 # --- forward spans from engine steps, as the writer process builds them ---
 
-@dataclass
-class Step:
-    """What the engine hands its observers after each step (a plain record, as the engine's StepRecord)."""
-
-    start_ns: int
-    end_ns: int
-    request_ids: list[str] = field(default_factory=list)
-    model: str = "tiny-llama"
-    batch_size: int = 2
-    num_tokens: int = 9
-    padded_size: int = 16
-    runtime_mode: str = "cudagraph"
-    phase: str = "mixed"
-
-
 @pytest.fixture
 def sdk():
     """A tracer and meter of their own, read back in memory: the real SDK, no global state."""
@@ -270,15 +260,13 @@ def sdk():
     meters.shutdown()
 
 
-def steps(n: int, request_ids: list[str]) -> list[Step]:
+def steps(n: int, request_ids: list[str]) -> list[StepRecord]:
+    """n steps as the engine records them, of increasing forward time (1, 2, ... ms), 10 ms apart."""
     base = time.time_ns()
-    return [Step(start_ns=base + i * 10_000_000, end_ns=base + i * 10_000_000 + (i + 1) * 1_000_000,
-                 request_ids=request_ids) for i in range(n)]
-
-
-def forward_step(step: Step) -> ForwardStep:
-    return ForwardStep(step.model, step.batch_size, step.num_tokens, step.padded_size, step.runtime_mode,
-                       step.phase, step.start_ns, step.end_ns)
+    return [StepRecord(model="tiny-llama", batch_size=2, num_tokens=9, padded_size=16, runtime_mode="cudagraph",
+                       phase="mixed", start_ns=base + i * 10_000_000,
+                       end_ns=base + i * 10_000_000 + (i + 1) * 1_000_000, request_ids=tuple(request_ids))
+            for i in range(n)]
 
 
 def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
@@ -288,7 +276,7 @@ def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
     writer = ForwardSpanWriter(tracer, meter)
     records = steps(3, ["b", "a"])
     for record in records:
-        writer.write(forward_step(record), [contexts[r] for r in record.request_ids])
+        writer.write(record, [contexts[r] for r in record.request_ids])
 
     forward = [s for s in out.get_finished_spans() if s.name == spans.FORWARD]
     assert len(forward) == 3
@@ -304,7 +292,7 @@ def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
 
 def test_forward_span_of_no_known_request_is_a_root(sdk):
     tracer, meter, out, _ = sdk
-    ForwardSpanWriter(tracer, meter).write(forward_step(steps(1, [])[0]), [])
+    ForwardSpanWriter(tracer, meter).write(steps(1, [])[0], [])
     (span,) = out.get_finished_spans()
     assert span.parent is None and not span.links
 
@@ -314,7 +302,7 @@ def test_unsampled_steps_get_the_histogram_but_no_span(sdk):
     writer = ForwardSpanWriter(tracer, meter)
     sampled = EvenSampler(0.25)
     for record in steps(8, []):
-        writer.write(forward_step(record), [] if sampled() else None)
+        writer.write(record, [] if sampled() else None)
     assert len(out.get_finished_spans()) == 2  # every 4th step
 
     (metric,) = [m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics

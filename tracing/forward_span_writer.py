@@ -1,25 +1,25 @@
 """Builds the ``forward`` spans and the forward-time histogram, in a process of its own.
 
-A forward span that links the 32 requests of a batch costs the SDK and the OTLP encoder about a millisecond of
-Python. In the serving process that millisecond holds the GIL the engine thread needs between steps (it cost 20% of
-decode throughput at batch 32 on an H200), so ForwardSpans ships each step's few numbers here over a pipe and this
-process, with the serving process's resource and the same OTEL_* settings, builds and exports them.
+A forward span that links every request of a large batch is a lot of SDK and OTLP-encoder Python. In the serving
+process that work holds the GIL the engine thread needs between steps (BENCHMARKS.md, tracing cost, has what it
+cost), so ForwardSpans ships each step's few numbers here over a pipe and this process, with the serving process's
+resource and the same OTEL_* settings, builds and exports them.
 
 Messages, in the order the serving process sent them (a request starts before any step serves it):
     (REQUEST_STARTED, request_id, trace_id, span_id, trace_flags)   its span's context, for links
     (REQUEST_ENDED, request_id)
-    (STEP, ForwardStep, request_ids or None)                         None: not sampled, histogram only
+    (STEP, StepRecord, sampled)        not sampled: histogram only, and the record comes without its request ids
 """
 
 import logging
 import signal
 from multiprocessing.connection import Connection
-from typing import NamedTuple
 
 from opentelemetry import context, metrics, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
+from kiln.step_record import StepRecord
 from tracing import spans
 from tracing.setup import exporting_telemetry
 
@@ -31,19 +31,6 @@ DURATION_BUCKETS_MS = (0.25, 0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 4
                        2500, 5000)
 
 REQUEST_STARTED, REQUEST_ENDED, STEP = "started", "ended", "step"
-
-
-class ForwardStep(NamedTuple):
-    """What a span and a histogram point need of the engine's StepRecord: plain values, cheap to pickle."""
-
-    model: str
-    batch_size: int
-    num_tokens: int
-    padded_size: int
-    runtime_mode: str
-    phase: str
-    start_ns: int
-    end_ns: int
 
 
 class ForwardSpanWriter:
@@ -59,8 +46,8 @@ class ForwardSpanWriter:
             FORWARD_DURATION, unit="ms", description="GPU time of one engine forward (host time on CPU)",
             explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS_MS))
 
-    def write(self, step: ForwardStep, served: list[SpanContext] | None) -> None:
-        self._duration.record((step.end_ns - step.start_ns) / 1e6,
+    def write(self, step: StepRecord, served: list[SpanContext] | None) -> None:
+        self._duration.record(step.forward_ms,
                               {spans.BATCH_SIZE: step.batch_size, spans.RUNTIME_MODE: step.runtime_mode})
         if served is None:
             return
@@ -94,12 +81,13 @@ def serve(messages: Connection, resource_attributes: dict, log_level: int) -> No
                 elif kind == REQUEST_ENDED:
                     live.pop(message[1], None)
                 else:
-                    _write(writer, message[1], message[2], live)
+                    _, step, sampled = message
+                    _write(writer, step, step.request_ids if sampled else None, live)
     finally:
         telemetry.shutdown()
 
 
-def _write(writer: ForwardSpanWriter, step: ForwardStep, request_ids: tuple[str, ...] | None,
+def _write(writer: ForwardSpanWriter, step: StepRecord, request_ids: tuple[str, ...] | None,
            live: dict[str, SpanContext]) -> None:
     """Ids with no live request (ended before the step's message came) get no link."""
     served = None if request_ids is None else [live[r] for r in request_ids if r in live]

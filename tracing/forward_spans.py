@@ -1,20 +1,10 @@
 """One ``forward`` span per engine step, timed by the engine's own clock, and the forward-time histogram.
 
-An engine step observer: the engine calls it with each step's record after the step's own sync, so reading the
-times costs no extra device sync. The record (kiln.step_record.StepRecord) is duck-typed; it needs
-
-    model: str            the served model's name
-    batch_size: int       sequences in the step
-    num_tokens: int       tokens scheduled (prefill chunks + decodes)
-    padded_size: int      tokens the compiled code or CUDA graph ran, padding included
-    runtime_mode: str     eager / compiled / cudagraph
-    phase: str            prefill / decode / mixed
-    start_ns, end_ns: int the forward's start and end, wall-clock ns (CUDA events on GPU, host clock on CPU)
-    request_ids: Sequence[str]  the requests it served, linked when their spans are live
-
-It also watches the request spans (exec_service.telemetry.request_spans): each request's span context goes to the writer
-when the request starts. The spans themselves are built and exported by that writer process
-(tracing.forward_span_writer, which says why).
+An engine step observer: the engine calls it with each step's StepRecord (kiln.step_record) after the step's own
+sync, so reading the times costs no extra device sync. It also hears when each request's span starts and ends (the
+execute service's request spans call ``request_started`` / ``request_ended``), so a step's span can link to the
+requests it served. The spans themselves are built and exported by a writer process (tracing.forward_span_writer,
+which says why).
 """
 
 import logging
@@ -27,8 +17,9 @@ import time
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.trace import SpanContext
 
+from kiln.step_record import StepRecord
 from tracing import forward_span_writer
-from tracing.forward_span_writer import REQUEST_ENDED, REQUEST_STARTED, STEP, ForwardStep
+from tracing.forward_span_writer import REQUEST_ENDED, REQUEST_STARTED, STEP
 from tracing.setup import SHUTDOWN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -89,18 +80,17 @@ class ForwardSpans:
         self._sender = threading.Thread(target=self._send, name="forward-spans", daemon=True)
         self._sender.start()
 
-    def __call__(self, step) -> None:
+    def __call__(self, step: StepRecord) -> None:
         if self._closing.is_set():
             return
-        request_ids = tuple(step.request_ids) if self._sampled() else None
+        sampled = self._sampled()
         if self._pending.qsize() >= PENDING_LIMIT:
             if not self.dropped:
                 log.warning("forward spans: the writer is %d messages behind; dropping steps until it catches up",
                             PENDING_LIMIT)
             self.dropped += 1
             return
-        self._pending.put((STEP, ForwardStep(step.model, step.batch_size, step.num_tokens, step.padded_size,
-                                             step.runtime_mode, step.phase, step.start_ns, step.end_ns), request_ids))
+        self._pending.put((STEP, step if sampled else step._replace(request_ids=()), sampled))
 
     def request_started(self, request_id: str, context: SpanContext) -> None:
         if self._closing.is_set():

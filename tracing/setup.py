@@ -58,8 +58,18 @@ class Telemetry:
                 provider.shutdown()
 
 
+_installed = Telemetry(None, None)
+
+
+def installed_telemetry() -> Telemetry:
+    """What init_tracing installed in this process (off until it ran): a server built afterwards exports through it,
+    whether the CLI or a Python caller started it."""
+    return _installed
+
+
 def init_tracing(service_name: str, resource_attributes: dict | None = None) -> Telemetry:
     """Install the global tracer and meter providers for ``service_name`` (OTEL_SERVICE_NAME overrides it)."""
+    global _installed
     if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return Telemetry(None, None)
     if not (_endpoint("TRACES") or _endpoint("METRICS")):
@@ -70,6 +80,7 @@ def init_tracing(service_name: str, resource_attributes: dict | None = None) -> 
         trace.set_tracer_provider(telemetry.tracer_provider)
     if telemetry.meter_provider:
         metrics.set_meter_provider(telemetry.meter_provider)
+    _installed = telemetry
     log.info("tracing as %s to %s", telemetry.resource.attributes[SERVICE_NAME],
              _endpoint("TRACES") or _endpoint("METRICS"))
     return telemetry

@@ -3,7 +3,7 @@
 import uuid
 from dataclasses import dataclass
 
-from exec_service.api import generate_request
+from exec_service.api import generate_request, messages
 from exec_service.engine.engine_loop import Engine
 from exec_service.engine.sequence import Sequence
 from exec_service.startup.load_model import StartedModel
@@ -43,7 +43,7 @@ class ServedModel:
         info = exec_pb2.ModelInfo(name=self.name, state=self.state, error=self.error)
         if self.is_ready:
             engine = self.started.engine
-            info.sizing.CopyFrom(self.started.sizing)
+            info.sizing.CopyFrom(messages.model_sizing_message(self.started.sizing))
             info.num_waiting = engine.num_waiting
             info.num_running = engine.num_running
             info.num_free_blocks = engine.num_free_blocks

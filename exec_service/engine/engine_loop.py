@@ -8,7 +8,6 @@ their RequestStreams; a forward that fails fails that step's requests only, and 
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
 
 import torch
 
@@ -19,23 +18,20 @@ from exec_service.engine.request_stream import RequestOutput, RequestStream, del
 from exec_service.engine.sampler import Sampler
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import Sequence
-from exec_service.telemetry.forward_stats import ForwardStats
 from kiln.errors import Internal, ResourceExhausted, Unavailable, first_line
-from kiln.step_record import StepRecord
+from kiln.runtime_mode import RuntimeMode
+from kiln.step_record import StepObserver, StepRecord
 
 log = logging.getLogger(__name__)
-
-StepObserver = Callable[[StepRecord], None]
 
 
 class Engine:
     def __init__(self, name: str, runner: ModelRunner, config: EngineConfig, eos_token_ids: frozenset[int],
-                 forward_stats: ForwardStats, step_observers: list[StepObserver] | None = None):
+                 step_observers: list[StepObserver] | None = None):
         self.name = name
         self.runner = runner
         self.config = config
         self.eos_token_ids = eos_token_ids
-        self.forward_stats = forward_stats
         self.step_observers: list[StepObserver] = step_observers if step_observers is not None else []
         self.block_manager = BlockManager(runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -162,14 +158,13 @@ class Engine:
         if stream is not None:
             stream.put(output)
 
-    def _observe(self, batch: ScheduledBatch, runtime_mode: str, padded_size: int, start_ns: int,
+    def _observe(self, batch: ScheduledBatch, runtime_mode: RuntimeMode, padded_size: int, start_ns: int,
                  forward_ms: float) -> None:
-        self.forward_stats.record(self.name, batch.num_seqs, forward_ms, runtime_mode)
         if not self.step_observers:
             return
         record = StepRecord(
             model=self.name, batch_size=batch.num_seqs, num_tokens=batch.num_tokens, padded_size=padded_size,
-            runtime_mode=runtime_mode, phase=batch.phase, start_ns=start_ns,
+            runtime_mode=runtime_mode.value, phase=batch.phase, start_ns=start_ns,
             end_ns=start_ns + int(forward_ms * 1e6), request_ids=tuple(e.seq.request_id for e in batch.entries))
         for observer in self.step_observers:
             try:

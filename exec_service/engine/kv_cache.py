@@ -1,19 +1,12 @@
-"""The paged KV cache: how many blocks fit in the memory left after the model, and the per-layer tensors.
+"""The paged KV cache's layout: bytes per block, and the per-layer tensors the attention op reads and writes.
 
-On CUDA the budget is DESIGN.md's formula, from the eager profile's measured peak:
-``total × gpu_memory_utilization − weights − activation peak − CUDA-graph reserve``, capped by ``kv_cache_bytes``.
-On CPU there is nothing to measure against: the budget is ``kv_cache_bytes``.
+How many blocks fit is decided at startup (exec_service.startup.kv_sizing).
 """
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
-
-from kiln.errors import ResourceExhausted
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,46 +29,6 @@ class KVCacheSpec:
         """Keys and values of ``block_size`` tokens in every layer."""
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """What the profile measured and what the KV cache may take."""
-
-    total_bytes: int  # device memory (0 on CPU)
-    weights_bytes: int
-    activation_peak_bytes: int
-    cudagraph_reserve_bytes: int
-    kv_cache_bytes: int
-
-
-def cuda_budget(utilization: float, weights_bytes: int, activation_peak_bytes: int, cudagraph_reserve_bytes: int,
-                cap_bytes: int, device: torch.device) -> MemoryBudget:
-    free, total = torch.cuda.mem_get_info(device)
-    # Memory other processes (and the CUDA context) hold is not ours to plan with.
-    others = total - free - torch.cuda.memory_reserved(device)
-    kv_bytes = int(total * utilization) - others - weights_bytes - activation_peak_bytes - cudagraph_reserve_bytes
-    if cap_bytes:
-        kv_bytes = min(kv_bytes, cap_bytes)
-    return MemoryBudget(total, weights_bytes, activation_peak_bytes, cudagraph_reserve_bytes, max(kv_bytes, 0))
-
-
-def cpu_budget(weights_bytes: int, cap_bytes: int) -> MemoryBudget:
-    return MemoryBudget(0, weights_bytes, 0, 0, cap_bytes)
-
-
-def num_blocks(budget: MemoryBudget, spec: KVCacheSpec, max_model_len: int) -> int:
-    """Blocks the budget holds. Fewer than one full-length sequence needs is allowed (requests that cannot fit are
-    refused one by one), none at all is an error the user can fix."""
-    blocks = budget.kv_cache_bytes // spec.block_bytes
-    if blocks < 1:
-        raise ResourceExhausted(
-            f"kv_cache_bytes: {budget.kv_cache_bytes} bytes left for the KV cache hold no block of "
-            f"{spec.block_bytes} bytes; raise kv_cache_bytes or gpu_memory_utilization")
-    if blocks * spec.block_size < max_model_len:
-        log.warning("the KV cache holds %d tokens, fewer than max_model_len %d", blocks * spec.block_size,
-                    max_model_len)
-    return blocks
 
 
 def allocate(spec: KVCacheSpec, blocks: int, device: str) -> list[torch.Tensor]:

@@ -1,13 +1,11 @@
-"""The model on its device: weights, the eager memory profile, the KV cache, the compiled function, CUDA graphs,
-and one forward per engine step.
+"""The model on its device: weights, the KV cache, the compiled function, CUDA graphs, and one forward per step.
 
-Order matters and is the point of the design: the profile runs on the eager model *before* the compiled function
-is loaded (vLLM's "not compile for profiling"), and neither the profile, the load nor any step may run Dynamo or
-Inductor: ``expect_no_compile`` raises if the counters move.
+The startup phases (exec_service.startup.load_model) fill it in order: weights, the eager memory profile, the KV
+cache, the compiled function, CUDA graphs; the engine then calls ``execute`` once a step. Neither the load nor any
+step may run Dynamo or Inductor: ``expect_no_compile`` raises if the counters move.
 """
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +16,7 @@ from exec_service.engine import kv_cache
 from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.forward_timer import ForwardTimer
-from exec_service.engine.sampler import Sampler
 from exec_service.engine.scheduler import ScheduledBatch
-from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.engine.step_inputs import StepInputs, prepare
 from kiln import bundle
 from kiln.counters import expect_no_compile
@@ -28,30 +24,26 @@ from kiln.errors import FailedPrecondition, first_line
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.model import TokenModel, build_model, weights_bytes
 from kiln.model_spec import ResolvedModel
+from kiln.runtime_mode import RuntimeMode
 from kiln.signing import TrustedKeys
 
 log = logging.getLogger(__name__)
-
-# Device memory set aside for the CUDA-graph pool before capture, when the KV cache is sized.
-CUDAGRAPH_RESERVE_BYTES = 512 << 20
-# Sampling settings of the profile's sampler pass: the sort behind top-k/top-p is its memory peak.
-_PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
 
 
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [S, V] float32, one row per sequence that samples
-    runtime_mode: str
+    runtime_mode: RuntimeMode
     padded_size: int
     timer: ForwardTimer
 
 
 class ModelRunner:
-    def __init__(self, model: ResolvedModel, config: EngineConfig):
-        self.resolved = model
+    def __init__(self, resolved: ResolvedModel, config: EngineConfig):
+        self.resolved = resolved
         self.config = config
         self.device = config.device
-        self.model: TokenModel | None = None
+        self.token_model: TokenModel | None = None
         self.weights_bytes = 0
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -59,52 +51,18 @@ class ModelRunner:
         self.cudagraphs: CUDAGraphs | None = None
 
     def load_weights(self, weights: str, seed: int) -> int:
-        self.model = build_model(self.resolved, self.device, weights, seed)
-        self.weights_bytes = weights_bytes(self.model)
+        self.token_model = build_model(self.resolved, self.device, weights, seed)
+        self.weights_bytes = weights_bytes(self.token_model)
         return self.weights_bytes
 
-    @torch.no_grad()
-    def profile_memory(self) -> int:
-        """One forward at max_num_batched_tokens on the eager model plus a sampler pass at max_num_seqs rows.
+    @property
+    def kv_cache_spec(self) -> kv_cache.KVCacheSpec:
+        return kv_cache.KVCacheSpec.from_config(self.resolved.config, self.config.block_size, self.resolved.dtype)
 
-        Returns the activation peak in bytes (CUDA; 0 on CPU, where the KV cache comes from a byte budget). There is
-        no forward context, so attention is the plain causal reference over all tokens: no less memory than the
-        paged kernels need.
-        """
-        start = time.perf_counter()
-        tokens = self.config.max_num_batched_tokens
-        cuda = self.device == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            baseline = torch.cuda.memory_allocated()
-        with expect_no_compile("the memory profile"):
-            hidden = self.model(torch.zeros(tokens, dtype=torch.int64, device=self.device),
-                                torch.arange(tokens, device=self.device))
-            rows = min(self.config.max_num_seqs, tokens)
-            seqs = [Sequence(f"profile-{i}", [0], _PROFILE_SAMPLING, self.config.max_model_len) for i in range(rows)]
-            Sampler(self.device)(self.model.logits(hidden[:rows]), seqs)
-        peak = 0
-        if cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - baseline
-        del hidden
-        log.info("Memory profiling took %.2f seconds", time.perf_counter() - start)
-        return peak
-
-    def memory_budget(self, activation_peak_bytes: int) -> kv_cache.MemoryBudget:
-        if self.device == "cuda":
-            reserve = CUDAGRAPH_RESERVE_BYTES if self.config.runtime_mode == "cudagraph" else 0
-            return kv_cache.cuda_budget(self.config.gpu_memory_utilization, self.weights_bytes, activation_peak_bytes,
-                                        reserve, self.config.kv_cache_bytes, torch.device("cuda"))
-        return kv_cache.cpu_budget(self.weights_bytes, self.config.kv_cache_bytes)
-
-    def allocate_kv_cache(self, budget: kv_cache.MemoryBudget) -> kv_cache.KVCacheSpec:
-        spec = kv_cache.KVCacheSpec.from_config(self.resolved.config, self.config.block_size, self.resolved.dtype)
-        self.num_blocks = kv_cache.num_blocks(budget, spec, self.config.max_model_len)
-        self.kv_caches = kv_cache.allocate(spec, self.num_blocks, self.device)
-        log.info("# %s blocks: %d", "GPU" if self.device == "cuda" else "CPU", self.num_blocks)
-        return spec
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = kv_cache.allocate(self.kv_cache_spec, num_blocks, self.device)
+        log.info("# %s blocks: %d", "GPU" if self.device == "cuda" else "CPU", num_blocks)
 
     @torch.no_grad()
     def load_compiled(self, bundle_dir: Path, key: str, trusted: TrustedKeys) -> None:
@@ -117,15 +75,15 @@ class ModelRunner:
                 raise FailedPrecondition(f"bundle {bundle_dir.name[:12]}: torch refused to load it: "
                                          f"{first_line(exc)}") from exc
             # The first call at a token count does one-off work (kernel loads, launch setup): pay it here for the
-            # smallest and the largest step, not in a request's step (670 ms for Llama-3-8B on an H200).
+            # smallest and the largest step, not in a request's step (BENCHMARKS.md, startup and throughput).
             for tokens in sorted({min(2, self.config.max_num_batched_tokens), self.config.max_num_batched_tokens}):
-                self.compiled(self.model, torch.zeros(tokens, dtype=torch.int64, device=self.device),
+                self.compiled(self.token_model, torch.zeros(tokens, dtype=torch.int64, device=self.device),
                               torch.arange(tokens, device=self.device))
             self._warm_up_paged_attention()
 
     def _warm_up_paged_attention(self) -> None:
         """A two-token prefill, then one decode step, of one sequence through the paged KV cache: the attention
-        kernels are built here (Triton's JIT, 0.7 s on an H200), not in a request's first step. The sequence sits
+        kernels are built here (Triton's JIT), not in a request's first step. The sequence sits
         in the first blocks, which hold nothing yet; every real token's KV is written before it is read."""
         blocks = -(-3 // self.config.block_size)
         if self.num_blocks < blocks:
@@ -147,7 +105,7 @@ class ModelRunner:
             return self.cudagraphs.capture(self.kv_caches, on_captured)
 
     def _compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.compiled(self.model, input_ids, positions)
+        return self.compiled(self.token_model, input_ids, positions)
 
     @torch.no_grad()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -159,12 +117,13 @@ class ModelRunner:
                 hidden = self.cudagraphs.replay(padded, inputs)
             else:
                 hidden = self._forward(inputs)
-        mode = "cudagraph" if padded is not None else "eager" if self.compiled is None else "compiled"
-        logits = self.model.logits(hidden[inputs.sample_rows])
+        mode = RuntimeMode.CUDAGRAPH if padded is not None else RuntimeMode.EAGER if self.compiled is None \
+            else RuntimeMode.COMPILED
+        logits = self.token_model.logits(hidden[inputs.sample_rows])
         return StepOutput(logits, mode, padded or inputs.num_tokens, timer)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         with forward_context(ForwardContext(self.kv_caches, inputs.metadata)):
             if self.compiled is None:
-                return self.model(inputs.input_ids, inputs.positions)
+                return self.token_model(inputs.input_ids, inputs.positions)
             return self._compiled_forward(inputs.input_ids, inputs.positions)

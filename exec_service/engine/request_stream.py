@@ -5,20 +5,23 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from exec_service.engine.sequence import FinishReason, Usage
 from kiln.errors import KilnError
-from protos import exec_pb2
 
 
 @dataclass
 class RequestOutput:
+    """Tokens one step (or several, coalesced) added to a request; Python types only, the API edge makes the
+    GenerateResponse."""
+
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: int = exec_pb2.FINISH_REASON_UNSPECIFIED  # set on the last output
-    usage: exec_pb2.Usage | None = None  # set on the last output
+    finish_reason: FinishReason | None = None  # set on the last output
+    usage: Usage | None = None  # set on the last output
     error: KilnError | None = None  # the request failed; nothing follows
 
     @property
     def is_last(self) -> bool:
-        return self.finish_reason != exec_pb2.FINISH_REASON_UNSPECIFIED or self.error is not None
+        return self.finish_reason is not None or self.error is not None
 
 
 class RequestStream:

@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protos import exec_pb2
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +20,23 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # an end-of-sequence or stop token was sampled
+    LENGTH = "length"  # max_tokens or max_model_len was reached
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a request used and how long it took, as its last output reports it."""
+
+    prompt_tokens: int
+    output_tokens: int
+    time_to_first_token_s: float  # arrival to the first token
+    total_s: float  # arrival to the end
+    queue_s: float  # arrival to the first schedule
+    num_preemptions: int
 
 
 class SequenceStatus(enum.Enum):
@@ -47,7 +62,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: int = exec_pb2.FINISH_REASON_UNSPECIFIED
+    finish_reason: FinishReason | None = None  # set when it finishes
     # (wall-clock ns, tokens whose KV was dropped) per preemption: the request span's events.
     preemptions: list[tuple[int, int]] = field(default_factory=list)
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -89,11 +104,11 @@ class Sequence:
             self.first_token_s = time.perf_counter()
         self.token_ids.append(token_id)
         if token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
-            self.finish(exec_pb2.FINISH_REASON_STOP)
+            self.finish(FinishReason.STOP)
         elif len(self.token_ids) >= min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len):
-            self.finish(exec_pb2.FINISH_REASON_LENGTH)
+            self.finish(FinishReason.LENGTH)
 
-    def finish(self, reason: int) -> None:
+    def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.finished_s = time.perf_counter()
@@ -102,9 +117,9 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def usage(self) -> exec_pb2.Usage:
+    def usage(self) -> Usage:
         end = self.finished_s or time.perf_counter()
-        return exec_pb2.Usage(
+        return Usage(
             prompt_tokens=self.num_prompt_tokens,
             output_tokens=len(self.output_token_ids),
             time_to_first_token_s=(self.first_token_s or end) - self.arrival_s,

@@ -60,26 +60,26 @@ class BundleFetcher:
         self.trusted = trusted
         self.compile_stub = compile_pb2_grpc.CompileServiceStub(compile_channel) if compile_channel else None
 
-    def fetch(self, spec: common_pb2.ModelSpec, model: ResolvedModel, config: CompileConfig, key: str | None,
+    def fetch(self, spec: common_pb2.ModelSpec, resolved: ResolvedModel, config: CompileConfig, key: str | None,
               progress: ProgressFn = lambda detail: None) -> FetchedBundle:
         """The bundle for ``key``, or for the model of ``spec`` under ``config``, compiled on the compile service
         on a miss."""
         if key is not None:
             check_key(key)
         # What this process would compile: when the store has it, no call to the compile service is needed.
-        digest = key or cache_key.digest(cache_key.key_factors(model, config))
+        digest = key or cache_key.digest(cache_key.key_factors(resolved, config))
         with self.store.lock(digest):
             path = self.store.get(digest)
         source = self._found_in
         if path is None:
             if key is None:
-                digest = self._compile(_wire_spec(spec, model), config, progress)
+                digest = self._compile(_wire_spec(spec, resolved), config, progress)
             path, source = self._get_or_download(digest, progress)
         self._verify_signature(digest, path)
         fetched = FetchedBundle(digest, path, self._read_factors(path), source)
         check_environment(fetched, config.device)
         if key is not None:
-            check_model(fetched, model)
+            check_model(fetched, resolved)
         return fetched
 
     @property
@@ -181,25 +181,25 @@ def check_environment(fetched: FetchedBundle, device: str) -> None:
         raise FailedPrecondition(f"bundle {fetched.key[:12]} was compiled for {reasons}")
 
 
-def check_model(fetched: FetchedBundle, model: ResolvedModel) -> None:
+def check_model(fetched: FetchedBundle, resolved: ResolvedModel) -> None:
     """A bundle asked for by key must have been compiled for this model's config and dtype."""
-    if fetched.factors.get("dtype") != model.dtype_name:
+    if fetched.factors.get("dtype") != resolved.dtype_name:
         raise FailedPrecondition(f"key: bundle {fetched.key[:12]} was compiled for dtype {fetched.factors.get('dtype')}"
-                                 f", the model is {model.dtype_name}")
+                                 f", the model is {resolved.dtype_name}")
     stored = fetched.factors.get("model_config", {})
-    here = json.loads(json.dumps(model.normalized_config(), default=str))
+    here = json.loads(json.dumps(resolved.normalized_config(), default=str))
     differing = sorted(k for k in set(stored) | set(here) if stored.get(k) != here.get(k))
     if differing:
         shown = ", ".join(f"{k} {stored.get(k)!r} vs {here.get(k)!r}" for k in differing[:3])
         raise FailedPrecondition(f"key: bundle {fetched.key[:12]} was compiled for another model config ({shown})")
 
 
-def _wire_spec(spec: common_pb2.ModelSpec, model: ResolvedModel) -> common_pb2.ModelSpec:
+def _wire_spec(spec: common_pb2.ModelSpec, resolved: ResolvedModel) -> common_pb2.ModelSpec:
     """The spec as the compile service must see it: a local directory travels as its config.json (the compile
     service may run elsewhere), the dtype explicitly (its default depends on its own device)."""
-    wire = common_pb2.ModelSpec(dtype=model.dtype_name)
+    wire = common_pb2.ModelSpec(dtype=resolved.dtype_name)
     if spec.WhichOneof("source") == "hf_dir":
-        wire.config_json = (model.hf_dir / "config.json").read_text()  # the path the model roots checked
+        wire.config_json = (resolved.hf_dir / "config.json").read_text()  # the path the model roots checked
     elif spec.WhichOneof("source") == "preset":
         wire.preset = spec.preset
     else:

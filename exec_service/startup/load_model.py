@@ -14,56 +14,77 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from exec_service.engine.engine_config import EngineConfig, model_name
+from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine, StepObserver
 from exec_service.engine.model_runner import ModelRunner
+from exec_service.startup import kv_sizing
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle
-from exec_service.telemetry.forward_stats import ForwardStats
+from exec_service.startup.memory_profile import profile_memory
 from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument, quote
-from kiln.model_roots import ModelRoots
-from kiln.model_spec import ResolvedModel, resolve
-from protos import common_pb2, exec_pb2
+from kiln.model_spec import ResolvedModel
+from kiln.runtime_mode import RuntimeMode
+from protos import common_pb2
 from tracing import spans
 
 log = logging.getLogger(__name__)
 
-EmitFn = Callable[[exec_pb2.StartupPhase], None]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
 class LoadTarget:
-    """A LoadModelRequest, validated: what to load and how to serve it."""
+    """A LoadModelRequest, validated (exec_service.api.load_request): what to load and how to serve it."""
 
-    name: str
-    spec: common_pb2.ModelSpec
-    model: ResolvedModel
+    name: str  # what clients call it in Generate
+    spec: common_pb2.ModelSpec  # as the client named it; sent on to the compile service on a miss
+    resolved: ResolvedModel  # its HF config and dtype
     compile_config: CompileConfig
     key: str | None
     engine_config: EngineConfig
     weights: str
     weights_seed: int
 
-    @classmethod
-    def from_request(cls, request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> "LoadTarget":
-        """Validated, with every client-named directory (model, weights) checked against ``roots``."""
-        compile_config = CompileConfig.from_proto(request.config)
-        model = resolve(request.model, compile_config.device, roots)
-        weights = request.weights or "dummy"
-        if weights != "dummy":
-            weights = str(roots.check_dir(weights, "weights"))
-        return cls(
-            name=model_name(request, model), spec=request.model, model=model, compile_config=compile_config,
-            key=request.key.digest or None,
-            engine_config=EngineConfig.from_request(request, model, compile_config.device),
-            weights=weights, weights_seed=request.weights_seed)
+
+@dataclass
+class StartupPhase:
+    """One phase as it ends, or progress inside it: a LoadModel stream event (api/messages.py makes the message)."""
+
+    phase: str  # fetch, load_weights, profile_memory, load_compiled, capture_cudagraphs, ready
+    seconds: float = 0.0  # 0 on progress
+    detail: str = ""  # a line for a person, e.g. "# GPU blocks: 27846"
+    progress: bool = False
+
+
+EmitFn = Callable[[StartupPhase], None]
+
+
+@dataclass(frozen=True)
+class ModelSizing:
+    """What startup sized and chose: LoadModel's last event, and each ready model's entry in ListModels."""
+
+    key: str  # the bundle served; "" in eager mode
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    kv_cache_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    cudagraph_bytes: int  # reserved for (CUDA) or taken by CUDA graphs
+    total_memory_bytes: int  # 0 on CPU
+    capture_sizes: tuple[int, ...]
+    runtime_mode: RuntimeMode
+    device: str
+    timings: tuple[tuple[str, float], ...]  # every phase with its seconds
+    vocab_size: int
 
 
 @dataclass
 class StartedModel:
     engine: Engine
-    sizing: exec_pb2.ModelSizing
+    sizing: ModelSizing
     tokenizer: object | None
 
 
@@ -73,47 +94,47 @@ class _Phases:
     def __init__(self, name: str, emit: EmitFn):
         self.name = name
         self.emit = emit
-        self.timings: list[common_pb2.PhaseTiming] = []
+        self.timings: list[tuple[str, float]] = []
 
     @contextmanager
-    def phase(self, phase: str) -> Iterator[tuple[exec_pb2.StartupPhase, trace.Span]]:
-        event = exec_pb2.StartupPhase(phase=phase)
+    def phase(self, phase: str) -> Iterator[tuple[StartupPhase, trace.Span]]:
+        event = StartupPhase(phase)
         start = time.perf_counter()
         with spans.tracer.start_as_current_span(phase) as span:
             yield event, span  # the phase fills in its detail and its span's attributes
         event.seconds = time.perf_counter() - start
         log.info("%s: %s took %.2f s%s", self.name, phase, event.seconds, f" ({event.detail})" if event.detail else "")
-        self.timings.append(common_pb2.PhaseTiming(phase=phase, seconds=event.seconds))
+        self.timings.append((phase, event.seconds))
         self.emit(event)
 
     def progress(self, phase: str, detail: str) -> None:
-        self.emit(exec_pb2.StartupPhase(phase=phase, detail=detail, progress=True))
+        self.emit(StartupPhase(phase, detail=detail, progress=True))
 
 
-def start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: ForwardStats,
-                step_observers: list[StepObserver], emit: EmitFn) -> StartedModel:
+def start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: list[StepObserver],
+                emit: EmitFn) -> StartedModel:
     """Run every startup phase and start the engine; raises a KilnError the client can act on."""
-    with spans.phase_span(spans.LOAD_MODEL, model=target.name, runtime_mode=target.engine_config.runtime_mode):
-        return _start_model(target, fetcher, forward_stats, step_observers, emit)
+    with spans.phase_span(spans.LOAD_MODEL, model=target.name, runtime_mode=target.engine_config.runtime_mode.value):
+        return _start_model(target, fetcher, step_observers, emit)
 
 
-def _start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: ForwardStats,
-                 step_observers: list[StepObserver], emit: EmitFn) -> StartedModel:
+def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: list[StepObserver],
+                 emit: EmitFn) -> StartedModel:
     phases = _Phases(target.name, emit)
     started = time.perf_counter()
     config = target.engine_config
     fetched: FetchedBundle | None = None
     with phases.phase(spans.FETCH) as (event, span):
-        if config.runtime_mode == "eager":
+        if config.runtime_mode == RuntimeMode.EAGER:
             event.detail = "eager: nothing to fetch"
         else:
-            fetched = fetcher.fetch(target.spec, target.model, target.compile_config, target.key,
+            fetched = fetcher.fetch(target.spec, target.resolved, target.compile_config, target.key,
                                     lambda detail: phases.progress("fetch", detail))
             event.detail = f"{fetched.source}, key {fetched.key}"
             span.set_attributes({spans.CACHE_KEY: fetched.key, spans.SOURCE: fetched.source})
     compiled_range = fetched.max_num_batched_tokens if fetched else target.compile_config.max_num_batched_tokens
     config = config.within_token_range(compiled_range)
-    runner = ModelRunner(target.model, config)
+    runner = ModelRunner(target.resolved, config)
 
     with phases.phase(spans.LOAD_WEIGHTS) as (event, span):
         runner.load_weights(target.weights, target.weights_seed)
@@ -122,9 +143,10 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: Forw
         span.set_attributes({spans.BYTES: runner.weights_bytes, spans.WEIGHTS: target.weights})
 
     with phases.phase(spans.PROFILE_MEMORY) as (event, span):
-        activation_peak = runner.profile_memory()
-        budget = runner.memory_budget(activation_peak)
-        kv_spec = runner.allocate_kv_cache(budget)
+        activation_peak = profile_memory(runner.token_model, config)
+        budget = kv_sizing.memory_budget(config, runner.weights_bytes, activation_peak)
+        kv_spec = runner.kv_cache_spec
+        runner.allocate_kv_cache(kv_sizing.num_blocks(budget, kv_spec, config.max_model_len))
         event.detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {runner.num_blocks}"
         span.set_attributes({spans.ACTIVATION_PEAK_BYTES: activation_peak, spans.NUM_KV_BLOCKS: runner.num_blocks,
                              spans.KV_CACHE_BYTES: runner.num_blocks * kv_spec.block_bytes})
@@ -139,7 +161,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: Forw
 
     cudagraph_bytes = budget.cudagraph_reserve_bytes
     with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
-        if config.runtime_mode == "cudagraph":
+        if config.runtime_mode == RuntimeMode.CUDAGRAPH:
             def captured(size: int, done: int) -> None:
                 total = len(config.capture_sizes)
                 phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured batch size {size} ({done}/{total})")
@@ -154,38 +176,42 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, forward_stats: Forw
         else:
             event.detail = f"skipped: runtime mode {config.runtime_mode}"
 
-    engine = Engine(target.name, runner, config, _eos_token_ids(target.model), forward_stats, step_observers)
+    engine = Engine(target.name, runner, config, _eos_token_ids(target.resolved), step_observers)
     engine.start()
     total = time.perf_counter() - started
-    emit(exec_pb2.StartupPhase(phase="ready", seconds=total, detail=f"{target.name} serves ({config.runtime_mode})"))
-    sizing = exec_pb2.ModelSizing(
-        key=common_pb2.ArtifactKey(digest=fetched.key if fetched else ""), num_kv_blocks=runner.num_blocks,
+    emit(StartupPhase("ready", seconds=total, detail=f"{target.name} serves ({config.runtime_mode})"))
+    sizing = ModelSizing(
+        key=fetched.key if fetched else "", num_kv_blocks=runner.num_blocks,
         block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=runner.num_blocks * kv_spec.block_bytes,
         weights_bytes=runner.weights_bytes, activation_peak_bytes=activation_peak, cudagraph_bytes=cudagraph_bytes,
-        total_memory_bytes=budget.total_bytes, capture_sizes=list(config.capture_sizes),
-        runtime_mode=config.runtime_mode, device=config.device, timings=phases.timings,
-        vocab_size=target.model.config.vocab_size)
+        total_memory_bytes=budget.total_bytes, capture_sizes=config.capture_sizes,
+        runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
+        vocab_size=target.resolved.config.vocab_size)
     return StartedModel(engine, sizing, tokenizer)
 
 
 def _load_tokenizer(target: LoadTarget):
     """The tokenizer of the model directory (or the weights directory), or None: then prompts are token ids."""
-    candidates = [target.model.hf_dir, None if target.weights == "dummy" else Path(target.weights)]
+    candidates = [target.resolved.hf_dir, None if target.weights == "dummy" else Path(target.weights)]
     for directory in filter(None, candidates):
         if any((directory / name).is_file() for name in _TOKENIZER_FILES):
             from transformers import AutoTokenizer
 
             try:
-                return AutoTokenizer.from_pretrained(directory)
+                tokenizer = AutoTokenizer.from_pretrained(directory)
             except (OSError, ValueError) as exc:
                 raise InvalidArgument(f"weights: cannot load the tokenizer in {quote(str(directory))}: "
                                       f"{quote(str(exc))}") from None
+            if getattr(tokenizer, "backend_tokenizer", None) is None:  # streamed text decodes with tokenizers
+                raise InvalidArgument(f"weights: the tokenizer in {quote(str(directory))} has no fast (tokenizers) "
+                                      f"backend; add its tokenizer.json")
+            return tokenizer
     return None
 
 
-def _eos_token_ids(model: ResolvedModel) -> frozenset[int]:
-    eos = getattr(model.config, "eos_token_id", None)
+def _eos_token_ids(resolved: ResolvedModel) -> frozenset[int]:
+    eos = getattr(resolved.config, "eos_token_id", None)
     if eos is None:
         return frozenset()
     return frozenset(eos if isinstance(eos, list) else [eos])

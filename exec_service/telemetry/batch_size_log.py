@@ -12,6 +12,7 @@ import time
 from opentelemetry import context, trace
 
 from exec_service.telemetry.forward_stats import BatchSizeStat, ForwardStats, stats_line
+from kiln.step_record import StepRecord
 from tracing import spans
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class BatchSizeLog:
         self._last = time.monotonic()
         self._last_ns = time.time_ns()
 
-    def __call__(self, step) -> None:
+    def __call__(self, step: StepRecord) -> None:
         if self.interval_s is not None and time.monotonic() - self._last >= self.interval_s:
             self.report()
 

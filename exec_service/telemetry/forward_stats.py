@@ -1,12 +1,15 @@
 """Forward time per batch size, as in vLLM's "allow tracking forward time": (batch_size, count, median_ms).
 
-The engine records every step; GetForwardStats, the periodic log line and the stats span read from here.
+A step observer of every engine: it records every step; GetForwardStats, the periodic log line and the stats span
+read from here.
 """
 
 import statistics
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass
+
+from kiln.step_record import StepRecord
 
 # Percentiles come from the most recent samples of each batch size; counts are exact.
 SAMPLES_KEPT = 10_000
@@ -40,6 +43,9 @@ class ForwardStats:
     def __init__(self):
         self._lock = threading.Lock()
         self._series: dict[tuple[str, int], _Series] = defaultdict(_Series)
+
+    def __call__(self, step: StepRecord) -> None:
+        self.record(step.model, step.batch_size, step.forward_ms, step.runtime_mode)
 
     def record(self, model: str, batch_size: int, ms: float, runtime_mode: str) -> None:
         with self._lock:

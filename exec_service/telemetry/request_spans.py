@@ -13,7 +13,6 @@ from opentelemetry.trace import SpanContext, Status, StatusCode
 
 from exec_service.engine.sequence import Sequence
 from kiln.errors import first_line
-from protos import exec_pb2
 from tracing import spans
 
 
@@ -80,9 +79,8 @@ def _record_outcome(span: trace.Span, seq: Sequence, failed: bool) -> None:
     })
     if seq.first_token_s is not None:
         span.set_attribute(spans.TIME_TO_FIRST_TOKEN_S, usage.time_to_first_token_s)
-    if seq.finish_reason != exec_pb2.FINISH_REASON_UNSPECIFIED:
-        reason = exec_pb2.FinishReason.Name(seq.finish_reason).removeprefix("FINISH_REASON_").lower()
-        span.set_attribute(spans.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
+    if seq.finish_reason is not None:
+        span.set_attribute(spans.GEN_AI_RESPONSE_FINISH_REASONS, [seq.finish_reason.value])
     elif not failed:
         span.set_attribute(spans.CANCELLED, True)
     for time_ns, recomputed in list(seq.preemptions):

@@ -1,4 +1,8 @@
-"""A real OTLP/gRPC receiver on loopback (the protocol Jaeger ingests), collecting spans and metrics for tests."""
+"""A real OTLP/gRPC receiver on loopback (the protocol Jaeger ingests), collecting spans and metrics.
+
+Where Jaeger cannot run (CI, the benches' machines), tests and benches export to this instead. It needs only
+opentelemetry-proto, which the OTLP exporter already depends on.
+"""
 
 import threading
 import time

@@ -1,0 +1,47 @@
+"""The engine's Python values as the protobuf messages the API sends: the one place they become wire types."""
+
+from exec_service.engine.request_stream import RequestOutput
+from exec_service.engine.sequence import FinishReason, Usage
+from exec_service.startup.load_model import ModelSizing, StartupPhase
+from exec_service.telemetry.forward_stats import BatchSizeStat
+from protos import common_pb2, exec_pb2
+
+FINISH_REASONS = {None: exec_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: exec_pb2.FINISH_REASON_STOP,
+                  FinishReason.LENGTH: exec_pb2.FINISH_REASON_LENGTH}
+
+
+def startup_phase_message(phase: StartupPhase) -> exec_pb2.StartupPhase:
+    return exec_pb2.StartupPhase(phase=phase.phase, seconds=phase.seconds, detail=phase.detail,
+                                 progress=phase.progress)
+
+
+def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:
+    return exec_pb2.ModelSizing(
+        key=common_pb2.ArtifactKey(digest=s.key), num_kv_blocks=s.num_kv_blocks, block_size=s.block_size,
+        max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
+        kv_cache_bytes=s.kv_cache_bytes, weights_bytes=s.weights_bytes, activation_peak_bytes=s.activation_peak_bytes,
+        cudagraph_bytes=s.cudagraph_bytes, total_memory_bytes=s.total_memory_bytes, capture_sizes=s.capture_sizes,
+        runtime_mode=s.runtime_mode.value, device=s.device, vocab_size=s.vocab_size,
+        timings=[common_pb2.PhaseTiming(phase=phase, seconds=seconds) for phase, seconds in s.timings])
+
+
+def usage_message(usage: Usage) -> exec_pb2.Usage:
+    return exec_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens, output_tokens=usage.output_tokens,
+        time_to_first_token_s=usage.time_to_first_token_s, total_s=usage.total_s, queue_s=usage.queue_s,
+        num_preemptions=usage.num_preemptions)
+
+
+def generate_response(output: RequestOutput, text: str) -> exec_pb2.GenerateResponse:
+    response = exec_pb2.GenerateResponse(token_ids=output.token_ids, text=text,
+                                         finish_reason=FINISH_REASONS[output.finish_reason])
+    if output.usage is not None:
+        response.usage.CopyFrom(usage_message(output.usage))
+    return response
+
+
+def forward_stats_response(stats: list[BatchSizeStat]) -> exec_pb2.GetForwardStatsResponse:
+    return exec_pb2.GetForwardStatsResponse(stats=[
+        exec_pb2.BatchSizeStats(model=s.model, batch_size=s.batch_size, count=s.count, median_ms=s.median_ms,
+                                p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode)
+        for s in stats])

@@ -1,0 +1,131 @@
+"""ExecService over gRPC: LoadModel (streamed phases), UnloadModel, ListModels, Generate (streamed), GetForwardStats.
+
+Every model's readiness is in the health service under ``kiln.v1.ExecService/<model name>``: NOT_SERVING while
+it loads or after a failed load, SERVING once it is ready.
+"""
+
+import asyncio
+import gc
+import logging
+
+import torch
+
+from exec_service.api import messages
+from exec_service.api.detokenizer import Detokenizer
+from exec_service.api.load_request import load_target
+from exec_service.api.served_model import ServedModel
+from exec_service.startup.fetch import BundleFetcher
+from exec_service.startup.load_model import LoadTarget, StartedModel, start_model
+from exec_service.telemetry.exec_telemetry import ExecTelemetry
+from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, first_line, quote
+from kiln.grpc_server import ProgressEvents, Server, status_errors
+from kiln.model_roots import ModelRoots
+from protos import exec_pb2, exec_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = exec_pb2.DESCRIPTOR.services_by_name["ExecService"].full_name
+
+
+def health_name(model: str) -> str:
+    return f"{SERVICE_NAME}/{model}"
+
+
+class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
+    def __init__(self, server: Server, fetcher: BundleFetcher, telemetry: ExecTelemetry, roots: ModelRoots):
+        self.server = server
+        self.fetcher = fetcher
+        self.roots = roots  # the only directories a request may name (model, weights)
+        self.telemetry = telemetry  # its step observers go to every engine; its request spans track each Generate
+        self.models: dict[str, ServedModel] = {}
+
+    @status_errors
+    async def LoadModel(self, request, context):
+        target = load_target(request, self.roots)
+        previous = self.models.get(target.name)
+        if previous is not None and previous.state != exec_pb2.MODEL_STATE_FAILED:
+            raise AlreadyExists(f"name: a model named {quote(target.name)} is already loaded or loading; unload it "
+                                f"or choose another name")
+        served = self.models[target.name] = ServedModel(target.name)
+        await self.server.set_serving(health_name(target.name), False)
+        progress = ProgressEvents()
+        # A task of its own: the load completes (or fails) and updates the model even if this client goes away. Task
+        # and thread run in copies of this context, so the startup spans are children of this call's server span.
+        load = asyncio.ensure_future(self._load(served, target, progress.emit))
+        async for phase in progress.until_done(load):
+            yield exec_pb2.LoadModelEvent(phase=messages.startup_phase_message(phase))
+        yield exec_pb2.LoadModelEvent(ready=messages.model_sizing_message(load.result().sizing))
+
+    async def _load(self, served: ServedModel, target: LoadTarget, emit) -> StartedModel:
+        try:
+            started = await asyncio.to_thread(start_model, target, self.fetcher, self.telemetry.step_observers, emit)
+        except Exception as exc:
+            served.state = exec_pb2.MODEL_STATE_FAILED
+            served.error = str(exc) if isinstance(exc, KilnError) else first_line(exc)
+            log.warning("%s: load failed: %s", target.name, served.error)
+            raise
+        served.started = started
+        served.state = exec_pb2.MODEL_STATE_READY
+        await self.server.set_serving(health_name(target.name), True)
+        return started
+
+    @status_errors
+    async def UnloadModel(self, request, context):
+        served = self._model(request.name, "name")
+        if served.state == exec_pb2.MODEL_STATE_LOADING:
+            raise FailedPrecondition(f"name: {quote(request.name)} is still loading; unload it once LoadModel ends")
+        del self.models[request.name]
+        await self.server.set_serving(health_name(request.name), False)
+        if served.started is not None:
+            await asyncio.to_thread(_release, served)
+        log.info("%s: unloaded", request.name)
+        return exec_pb2.UnloadModelResponse()
+
+    @status_errors
+    async def ListModels(self, request, context):
+        return exec_pb2.ListModelsResponse(models=[m.info() for m in self.models.values()])
+
+    @status_errors
+    async def Generate(self, request, context):
+        served = self._model(request.model, "model")
+        engine = served.engine()
+        seq = served.new_sequence(request)
+        with self.telemetry.request_spans.track(served.name, seq):
+            stream = engine.add_request(seq)
+            detokenizer = Detokenizer(served.started.tokenizer) if served.started.tokenizer else None
+            done = False
+            try:
+                async for output in stream:
+                    if output.error is not None:
+                        raise output.error
+                    done = output.is_last
+                    yield messages.generate_response(output, detokenizer.add(output.token_ids) if detokenizer else "")
+            finally:
+                if not done:  # cancelled, deadline passed, or the client went away: free the blocks now
+                    engine.abort(seq.request_id)
+
+    @status_errors
+    async def GetForwardStats(self, request, context):
+        stats = self.telemetry.forward_stats.snapshot(request.model or None, request.reset)
+        if request.model and not stats and request.model not in self.models:
+            raise NotFound(f"model: no model named {quote(request.model)}")
+        return messages.forward_stats_response(stats)
+
+    def _model(self, name: str, field: str) -> ServedModel:
+        served = self.models.get(name)
+        if served is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise NotFound(f"{field}: no model named {quote(name)} (loaded: {quote(known)})")
+        return served
+
+
+def _release(served: ServedModel) -> None:
+    """Stop the model's engine and give its weights and KV cache back to the device. In a worker thread: the full
+    garbage collection of a large model held the event loop, and every other model's streams, for a noticeable
+    pause (BENCHMARKS.md, the py-spy profile)."""
+    engine, served.started = served.started.engine, None
+    engine.stop()
+    del engine  # the last reference: what the collection frees
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

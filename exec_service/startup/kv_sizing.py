@@ -1,0 +1,69 @@
+"""How many KV blocks fit in the memory left after the model, from the eager profile's measured peak.
+
+On CUDA the budget is DESIGN.md's formula: ``total × gpu_memory_utilization − weights − activation peak −
+CUDA-graph reserve``, capped by ``kv_cache_bytes``. On CPU there is nothing to measure against: the budget is
+``kv_cache_bytes``.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.kv_cache import KVCacheSpec
+from kiln.errors import ResourceExhausted
+from kiln.runtime_mode import RuntimeMode
+
+log = logging.getLogger(__name__)
+
+# Device memory set aside for the CUDA-graph pool before capture, when the KV cache is sized.
+CUDAGRAPH_RESERVE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What the profile measured and what the KV cache may take."""
+
+    total_bytes: int  # device memory (0 on CPU)
+    weights_bytes: int
+    activation_peak_bytes: int
+    cudagraph_reserve_bytes: int
+    kv_cache_bytes: int
+
+
+def cuda_budget(utilization: float, weights_bytes: int, activation_peak_bytes: int, cudagraph_reserve_bytes: int,
+                cap_bytes: int, device: torch.device) -> MemoryBudget:
+    free, total = torch.cuda.mem_get_info(device)
+    # Memory other processes (and the CUDA context) hold is not ours to plan with.
+    others = total - free - torch.cuda.memory_reserved(device)
+    kv_bytes = int(total * utilization) - others - weights_bytes - activation_peak_bytes - cudagraph_reserve_bytes
+    if cap_bytes:
+        kv_bytes = min(kv_bytes, cap_bytes)
+    return MemoryBudget(total, weights_bytes, activation_peak_bytes, cudagraph_reserve_bytes, max(kv_bytes, 0))
+
+
+def cpu_budget(weights_bytes: int, cap_bytes: int) -> MemoryBudget:
+    return MemoryBudget(0, weights_bytes, 0, 0, cap_bytes)
+
+
+def num_blocks(budget: MemoryBudget, spec: KVCacheSpec, max_model_len: int) -> int:
+    """Blocks the budget holds. Fewer than one full-length sequence needs is allowed (requests that cannot fit are
+    refused one by one), none at all is an error the user can fix."""
+    blocks = budget.kv_cache_bytes // spec.block_bytes
+    if blocks < 1:
+        raise ResourceExhausted(
+            f"kv_cache_bytes: {budget.kv_cache_bytes} bytes left for the KV cache hold no block of "
+            f"{spec.block_bytes} bytes; raise kv_cache_bytes or gpu_memory_utilization")
+    if blocks * spec.block_size < max_model_len:
+        log.warning("the KV cache holds %d tokens, fewer than max_model_len %d", blocks * spec.block_size,
+                    max_model_len)
+    return blocks
+
+
+def memory_budget(config: EngineConfig, weights_bytes: int, activation_peak_bytes: int) -> MemoryBudget:
+    if config.device == "cuda":
+        reserve = CUDAGRAPH_RESERVE_BYTES if config.runtime_mode == RuntimeMode.CUDAGRAPH else 0
+        return cuda_budget(config.gpu_memory_utilization, weights_bytes, activation_peak_bytes, reserve,
+                           config.kv_cache_bytes, torch.device("cuda"))
+    return cpu_budget(weights_bytes, config.kv_cache_bytes)

@@ -1,0 +1,69 @@
+"""The house in one direction: the CLI on top, the services below it, tracing/ and the foundation kiln/ at the
+bottom. Read from the source with ast (every import, module level or inside a function), so it stays true."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kiln_cli", "compile_service", "exec_service", "tracing", "kiln")
+# What each package may import of the others (protos/, the wire contract, is open to all).
+ALLOWED = {
+    "kiln_cli": {"compile_service", "exec_service", "tracing", "kiln"},
+    "compile_service": {"tracing", "kiln"},
+    "exec_service": {"tracing", "kiln"},
+    "tracing": {"kiln"},
+    "kiln": set(),
+}
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names of every module ``path`` imports, however and wherever it imports them."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def package_imports() -> dict[str, dict[str, set[Path]]]:
+    """package -> imported package -> the files that import it."""
+    graph: dict[str, dict[str, set[Path]]] = {package: {} for package in PACKAGES}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for imported in top_level_imports(path) & set(PACKAGES) - {package}:
+                graph[package].setdefault(imported, set()).add(path.relative_to(ROOT))
+    return graph
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_imports_only_what_lies_below_it(package):
+    wrong = {imported: sorted(map(str, files)) for imported, files in package_imports()[package].items()
+             if imported not in ALLOWED[package]}
+    assert not wrong, f"{package} imports upward: {wrong}"
+
+
+def test_no_cycle_between_packages():
+    graph = {package: set(edges) for package, edges in package_imports().items()}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start])
+
+    assert not [package for package in PACKAGES if reaches(package, package, set())]
+
+
+def test_the_engine_core_knows_no_wire_types():
+    """Scheduler, blocks, sequences, sampler, runner, request stream: Python types only; protobuf is made at the
+    API edge (exec_service/api/)."""
+    core = ROOT / "exec_service" / "engine"
+    wired = sorted(str(p.relative_to(ROOT)) for p in core.rglob("*.py")
+                   if {"protos", "grpc", "google"} & top_level_imports(p))
+    assert not wired, f"the engine core imports wire types: {wired}"
+
+
+def test_the_check_sees_imports():
+    """The parser finds what is there: kiln_cli imports each of the four packages below it."""
+    assert set(package_imports()["kiln_cli"]) == ALLOWED["kiln_cli"]
