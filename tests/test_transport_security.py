@@ -46,14 +46,14 @@ def secure_compile(material, compile_store, signer, tiny_key):
 @pytest.fixture(scope="module")
 def secure_exec(material, secure_compile, trusted_keys, tmp_path_factory):
     """An exec service with TLS and tokens, calling the secure compile service over TLS with the admin token."""
-    from exec_service.server import start_exec_server
+    from exec_service.server import ExecServerSettings, start_exec_server
 
     tls, table, admin, _ = material
     security = ServerSecurity(ServerTls.load(tls.server_cert, tls.server_key), TokenTable.load(table))
     client = ClientSecurity(ClientTls.load(tls.ca), admin)
-    server = BackgroundServer(lambda: start_exec_server(
-        "127.0.0.1:0", secure_compile.address, cache_dir=tmp_path_factory.mktemp("secure-cache"),
-        trusted=trusted_keys, security=security, client=client))
+    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, secure_compile.address,
+                                  cache_dir=tmp_path_factory.mktemp("secure-cache"), security=security, client=client)
+    server = BackgroundServer(lambda: start_exec_server(settings))
     yield server
     server.stop()
 
@@ -283,13 +283,13 @@ def test_a_path_outside_the_roots_is_denied_without_saying_whether_it_exists(roo
 
 
 def test_weights_outside_the_roots_are_denied_by_the_execute_service(tmp_path, trusted_keys, compile_server):
-    from exec_service.server import start_exec_server
+    from exec_service.server import ExecServerSettings, start_exec_server
 
     root = tmp_path / "models"
     root.mkdir()
-    server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", compile_server.address,
-                                                        cache_dir=tmp_path / "cache", trusted=trusted_keys,
-                                                        model_roots=[root]))
+    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address, cache_dir=tmp_path / "cache",
+                                  model_roots=(root,))
+    server = BackgroundServer(lambda: start_exec_server(settings))
     try:
         with grpc.insecure_channel(server.address) as channel, pytest.raises(grpc.RpcError) as exc:
             list(exec_pb2_grpc.ExecServiceStub(channel).LoadModel(exec_pb2.LoadModelRequest(
