@@ -1,10 +1,18 @@
-"""The engine loop on the eager tiny model: a failed forward fails its step's requests, never the engine."""
+"""The engine loop: a failed forward fails its step's requests, never the engine (the eager tiny model, in process);
+many concurrent streams, cancelled, preempted and prefilled in chunks, each equal to itself run alone (real server).
+"""
 
 import asyncio
+import dataclasses
+import random
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import grpc
 import pytest
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, load_model
 
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine
@@ -14,6 +22,7 @@ from exec_service.startup import kv_sizing
 from kiln.errors import Internal
 from kiln.model_spec import resolve
 from kiln.runtime_mode import RuntimeMode
+from protos import exec_pb2
 
 CONFIG = EngineConfig(device="cpu", runtime_mode=RuntimeMode.EAGER, max_model_len=64, max_num_seqs=4,
                       max_num_batched_tokens=64, block_size=16, gpu_memory_utilization=0.9, kv_cache_bytes=1 << 20,
@@ -21,23 +30,25 @@ CONFIG = EngineConfig(device="cpu", runtime_mode=RuntimeMode.EAGER, max_model_le
 
 
 class FailingOnce:
-    """Fault injection (no real forward fails on demand on CPU): the next step after ``arm()`` raises as a device
+    """Fault injection (no real forward fails on demand on CPU): the step ``arm(steps)`` names raises as a device
     error would, every other step runs the real forward. ``failed`` is the request ids of the step that failed."""
 
     def __init__(self, execute):
         self._execute = execute
-        self._armed = threading.Event()
+        self._countdown = 0
         self.failed: list[str] = []
 
-    def arm(self) -> None:
-        self._armed.set()
+    def arm(self, steps: int = 1) -> None:
+        """Fail the ``steps``-th step from now."""
+        self._countdown = steps
 
-    def __call__(self, batch):
-        if self._armed.is_set():
-            self._armed.clear()
-            self.failed = [entry.seq.request_id for entry in batch.entries]
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return self._execute(batch)
+    def __call__(self, batch, *args):
+        if self._countdown:
+            self._countdown -= 1
+            if not self._countdown:
+                self.failed = [entry.seq.request_id for entry in batch.entries]
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self._execute(batch, *args)
 
 
 @pytest.fixture
@@ -53,9 +64,16 @@ def engine():
     engine.stop()
 
 
-def request(request_id: str) -> Sequence:
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    return Sequence(request_id, [5, 6, 7, 8, 9], params, max_model_len=CONFIG.max_model_len)
+def request(request_id: str, prompt: tuple[int, ...] = (5, 6, 7, 8, 9), max_tokens: int = 6) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Sequence(request_id, list(prompt), params, max_model_len=CONFIG.max_model_len)
+
+
+def wait_until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
 
 
 async def outcome(engine: Engine, seq: Sequence) -> tuple[list[int], Exception | None]:
@@ -67,23 +85,118 @@ async def outcome(engine: Engine, seq: Sequence) -> tuple[list[int], Exception |
     return tokens, None
 
 
-def test_a_failed_forward_fails_its_steps_requests_and_the_engine_serves_on(engine):
-    async def run():
-        before = await outcome(engine, request("before"))
-        engine.runner.execute.arm()
-        doomed = await asyncio.gather(outcome(engine, request("a")), outcome(engine, request("b")))
-        after = await outcome(engine, request("after"))
-        return before, doomed, after
+FAILED = "forward failed: RuntimeError: CUDA error: an illegal memory access was encountered"
 
-    before, doomed, after = asyncio.run(run())
-    assert before == (before[0], None) and len(before[0]) == 6
+
+def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(engine):
+    """Eight requests on four sequence slots; the fourth step fails. The requests in it end with INTERNAL, those
+    that finished before it or were still waiting stream on, each equal to itself run alone."""
+    requests = {f"r{i}": ((5 + i, 6, 7 + 2 * i, 8, 9)[: 2 + i % 4], 2 + i) for i in range(8)}
+
+    async def run():
+        alone = {rid: await outcome(engine, request(rid, *spec)) for rid, spec in requests.items()}
+        engine.runner.execute.arm(4)
+        together = await asyncio.gather(*(outcome(engine, request(rid, *spec)) for rid, spec in requests.items()))
+        after = await outcome(engine, request("after"))
+        return alone, dict(zip(requests, together, strict=True)), after
+
+    alone, together, after = asyncio.run(run())
     failed = engine.runner.execute.failed
-    assert failed  # "a", and "b" too when both were in that step
-    for request_id, (tokens, error) in zip("ab", doomed, strict=True):
-        if request_id in failed:
-            assert isinstance(error, Internal)
-            assert str(error) == "forward failed: RuntimeError: CUDA error: an illegal memory access was encountered"
-        else:  # it joined at the next step: untouched
-            assert (tokens, error) == before
-    assert after == before  # same prompt, greedy: the same tokens, from an engine that went on
+    assert 0 < len(failed) < len(requests)
+    for rid, (tokens, error) in together.items():
+        if rid in failed:
+            assert isinstance(error, Internal) and str(error) == FAILED, rid
+            assert tokens == alone[rid][0][:len(tokens)]
+        else:
+            assert (tokens, error) == alone[rid], rid
+    assert after[1] is None and len(after[0]) == 6  # the engine went on
     assert engine.num_running == 0 and engine.num_free_blocks == engine.runner.num_blocks  # nothing leaked
+
+
+# Through the real server: many streams at once, each equal to itself run alone.
+
+STREAMS = 64
+SMALL_KV_BLOCKS = 40  # of 16 tokens: the 64 streams need several times that, so running ones get preempted
+
+
+@dataclass(frozen=True)
+class StreamCase:
+    prompt: list[int]
+    fields: dict  # the GenerateRequest's sampling fields
+    cancel_after: int | None  # tokens the client takes before it cancels; None: it reads to the end
+
+
+def stream_cases(rng: random.Random) -> list[StreamCase]:
+    """Greedy and seeded sampled requests, some with stop tokens, a third cancelled after a random token count."""
+    cases = []
+    for i in range(STREAMS):
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randint(1, 90))]
+        fields = dict(max_tokens=rng.randint(4, 24))
+        if i % 2:
+            fields |= dict(temperature=rng.choice([0.7, 1.0, 1.3]), top_p=rng.choice([1.0, 0.9]),
+                           top_k=rng.choice([0, 20]), seed=rng.randrange(1 << 31))
+        else:
+            fields |= dict(temperature=0.0)
+        if i % 4 == 1:
+            fields["stop_token_ids"] = rng.sample(range(3, 512), 24)  # an early stop is likely
+        else:
+            fields["ignore_eos"] = True
+        cases.append(StreamCase(prompt, fields, rng.randint(0, fields["max_tokens"] - 1) if i % 3 == 0 else None))
+    return cases
+
+
+def run_stream(stub, model: str, case: StreamCase, start: threading.Barrier | None = None):
+    """(tokens received, last message or None when cancelled)."""
+    if start is not None:
+        start.wait()
+    call = stub.Generate(exec_pb2.GenerateRequest(model=model, prompt_ids=case.prompt, **case.fields))
+    tokens, last = [], None
+    try:
+        if case.cancel_after == 0:
+            call.cancel()
+        for response in call:
+            tokens += response.token_ids
+            last = response
+            if case.cancel_after is not None and len(tokens) >= case.cancel_after:
+                call.cancel()
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.CANCELLED, exc
+        return tokens, None
+    return tokens, last
+
+
+def model_info(stub, name: str) -> exec_pb2.ModelInfo:
+    return next(m for m in stub.ListModels(exec_pb2.ListModelsRequest()).models if m.name == name)
+
+
+def test_concurrent_streams_equal_each_request_run_alone(exec_stub, step_records):
+    """64 streams at once on a small KV cache (preemption), prefills in chunks beside decodes, a third cancelled:
+    every finished stream equals the same request run alone, a cancelled one a prefix of it; no block leaks."""
+    model = "tiny-streams"
+    ready = load_model(exec_stub, model, kv_cache_bytes=SMALL_KV_BLOCKS * 8192, max_num_batched_tokens=64).pop()
+    assert ready.ready.num_kv_blocks == SMALL_KV_BLOCKS
+    cases = stream_cases(random.Random(13))
+    first_step = len(step_records)
+    start = threading.Barrier(STREAMS)
+    with ThreadPoolExecutor(STREAMS) as pool:
+        together = list(pool.map(lambda c: run_stream(exec_stub, model, c, start), cases))
+    steps = [r for r in step_records[first_step:] if r.model == model]
+    alone = [run_stream(exec_stub, model, dataclasses.replace(c, cancel_after=None)) for c in cases]
+
+    finished = 0
+    for case, (tokens, last), (expected, alone_last) in zip(cases, together, alone, strict=True):
+        assert alone_last is not None and len(expected) <= case.fields["max_tokens"]
+        if last is None:  # cancelled: what arrived is where the request had got to
+            assert case.cancel_after is not None and tokens == expected[:len(tokens)], case
+        else:
+            finished += 1
+            assert tokens == expected, case
+            assert last.finish_reason == alone_last.finish_reason and last.usage.output_tokens == len(expected)
+    assert finished >= STREAMS // 2
+    assert sum(last.usage.num_preemptions for _, last in together if last is not None) > 0
+    assert "mixed" in {r.phase for r in steps} and max(r.num_tokens for r in steps) <= 64
+    assert max(r.batch_size for r in steps) > 8
+    wait_until(lambda: model_info(exec_stub, model).num_free_blocks == SMALL_KV_BLOCKS)
+    info = model_info(exec_stub, model)
+    assert info.num_running == 0 and info.num_waiting == 0
+    exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=model))
