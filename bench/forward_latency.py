@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from exec_service.engine import kv_cache
 from exec_service.engine.cuda_graphs import CUDAGraphs
+from exec_service.engine.step_inputs import StepBuffers
 from kiln.bundle import load_compiled
 from kiln.counters import expect_no_compile
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -68,11 +69,16 @@ def decode_metadata(bs: int, context: int, max_blocks: int) -> AttentionMetadata
         max_query_len=1, num_seqs=bs)
 
 
-class GraphedInputs:
-    """The StepInputs duck type CUDAGraphs.replay reads."""
-
-    def __init__(self, ids, positions, metadata):
-        self.input_ids, self.positions, self.metadata = ids, positions, metadata
+def fill_step_buffers(buffers: StepBuffers, ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> None:
+    """Put a decode step where the CUDA graphs read it, as the model runner's step buffers hold it."""
+    bs = ids.shape[0]
+    buffers.input_ids[:bs].copy_(ids)
+    buffers.positions[:bs].copy_(positions)
+    buffers.slot_mapping[:bs].copy_(meta.slot_mapping)
+    buffers.query_start_loc[:bs + 1].copy_(meta.query_start_loc)
+    buffers.seq_lens[:bs].copy_(meta.seq_lens)
+    buffers.block_tables[:bs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
 
 
 def main() -> None:
@@ -102,8 +108,8 @@ def main() -> None:
     def compiled_forward(ids, pos):
         return compiled(model, ids, pos)
 
-    graphs = {name: CUDAGraphs(fn, tuple(sizes), max_blocks, config.hidden_size, resolved.dtype,
-                               torch.device("cuda"))
+    buffers = StepBuffers(max(sizes), max(sizes), max_blocks, BLOCK_SIZE, vocab, "cuda")
+    graphs = {name: CUDAGraphs(fn, tuple(sizes), buffers, config.hidden_size, resolved.dtype, torch.device("cuda"))
               for name, fn in (("kiln", compiled_forward), ("eager+graph", model))}
     for name, g in graphs.items():
         with expect_no_compile(f"capturing {name}"):
@@ -115,7 +121,7 @@ def main() -> None:
         ids = torch.randint(0, vocab, (bs,), device="cuda")
         pos = torch.full((bs,), args.context, dtype=torch.int64, device="cuda")
         ctx = ForwardContext(caches, meta)
-        inputs = GraphedInputs(ids, pos, meta)
+        fill_step_buffers(buffers, ids, pos, meta)
 
         def eager(ctx=ctx, ids=ids, pos=pos):
             with forward_context(ctx):
@@ -125,8 +131,8 @@ def main() -> None:
             with forward_context(ctx):
                 model.logits(compiled(model, ids, pos))
 
-        def graphed(name, bs=bs, inputs=inputs):
-            return lambda: model.logits(graphs[name].replay(graphs[name].padded_size(bs, True), inputs))
+        def graphed(name, bs=bs):
+            return lambda: model.logits(graphs[name].replay(graphs[name].padded_size(bs, True))[:bs])
 
         hf_ms = hf_forward_ms(model, bs, args.context, vocab)
         kv_read = bs * (args.context + 1) * spec.block_bytes // BLOCK_SIZE

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from exec_service.engine.block_manager import BlockManager
-from exec_service.engine.sampler import Sampler
+from exec_service.engine.sampler import SamplingTensors, sample
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
@@ -112,40 +112,62 @@ def logits():
     return torch.randn(4, 50) * 3
 
 
+def sampling(params: list[SamplingParams], positions: list[int] | None = None, vocab: int = 50) -> SamplingTensors:
+    """The sampler's per-row tensors for ``params``, as the step buffers build them."""
+    positions = positions if positions is not None else [1] * len(params)
+    return SamplingTensors(
+        temperature=torch.tensor([p.temperature for p in params]),
+        top_k=torch.tensor([p.top_k or vocab for p in params]), top_p=torch.tensor([p.top_p for p in params]),
+        seeds=torch.tensor([p.seed or 0 for p in params]),
+        positions=torch.tensor(positions), all_greedy=all(p.is_greedy for p in params),
+        any_top_k_top_p=any(p.top_k or p.top_p < 1 for p in params))
+
+
 def test_greedy_and_top_k_one_take_the_argmax(logits):
-    sampler = Sampler("cpu")
     argmax = logits.argmax(-1).tolist()
-    assert sampler(logits, [seq(str(i), 1) for i in range(4)]) == argmax
-    top1 = SamplingParams(temperature=1.5, top_k=1)
-    assert sampler(logits, [seq(str(i), 1, top1) for i in range(4)]) == argmax
-    tiny_nucleus = SamplingParams(temperature=1.0, top_p=1e-6)
-    assert sampler(logits, [seq(str(i), 1, tiny_nucleus) for i in range(4)]) == argmax
+    assert sample(logits, sampling([GREEDY] * 4)).tolist() == argmax
+    assert sample(logits, sampling([SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(4)])).tolist() \
+        == argmax
+    assert sample(logits, sampling([SamplingParams(temperature=1.0, top_p=1e-6, seed=i) for i in range(4)])).tolist() \
+        == argmax
+    mixed = [GREEDY, SamplingParams(temperature=1.0, seed=3), GREEDY, SamplingParams(temperature=0.5, seed=4)]
+    tokens = sample(logits, sampling(mixed)).tolist()
+    assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
 
 
 def test_sampling_stays_inside_top_k_and_top_p(logits):
-    sampler = Sampler("cpu")
     row = logits[:1].expand(400, -1)
     top5 = set(logits[0].topk(5).indices.tolist())
-    tokens = sampler(row, [seq(str(i), 1, SamplingParams(temperature=1.0, top_k=5)) for i in range(400)])
-    assert set(tokens) <= top5 and len(set(tokens)) > 1
+    tokens = sample(row, sampling([SamplingParams(temperature=1.0, top_k=5, seed=i) for i in range(400)]))
+    assert set(tokens.tolist()) <= top5 and len(set(tokens.tolist())) > 1
     probs = logits[0].softmax(-1)
     ordered = probs.sort(descending=True)
     nucleus = set(ordered.indices[:int((ordered.values.cumsum(0) < 0.8).sum()) + 1].tolist())
-    tokens = sampler(row, [seq(str(i), 1, SamplingParams(temperature=1.0, top_p=0.8)) for i in range(400)])
-    assert set(tokens) <= nucleus
+    tokens = sample(row, sampling([SamplingParams(temperature=1.0, top_p=0.8, seed=i) for i in range(400)]))
+    assert set(tokens.tolist()) <= nucleus
+
+
+def test_sampled_tokens_follow_the_softmax_at_the_temperature(logits):
+    """20,000 draws (one seed, successive positions) against softmax(logits / 0.8): a chi-square test."""
+    draws, temperature = 20_000, 0.8
+    params = [SamplingParams(temperature=temperature, seed=99)] * draws
+    tokens = sample(logits[1:2].expand(draws, -1), sampling(params, positions=list(range(draws))))
+    expected = (logits[1] / temperature).softmax(-1) * draws
+    observed = torch.bincount(tokens, minlength=50).float()
+    kept = expected >= 5  # the chi-square approximation needs expected counts of at least 5
+    chi2 = ((observed[kept] - expected[kept]) ** 2 / expected[kept]).sum().item()
+    assert chi2 < 2 * int(kept.sum())  # ~ the degrees of freedom; a biased sampler lands far above
+    assert observed[~kept].sum() < 5 * max(1, int((~kept).sum()))
 
 
 def test_a_seeded_request_samples_the_same_whatever_shares_its_step(logits):
-    sampler = Sampler("cpu")
-
-    def seeded():
-        s = seq("seeded", 1, SamplingParams(temperature=1.0, seed=5))
-        s.generator = torch.Generator().manual_seed(5)
-        return s
-
-    alone = seeded()
-    tokens_alone = [sampler(logits[:1], [alone])[0] for _ in range(20)]
-    crowded, crowd = seeded(), [seq(str(i), 1, SamplingParams(temperature=1.0)) for i in range(3)]
+    """The token depends on (seed, position, logits) only: not on the other rows or the row's place."""
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    alone = [sample(logits[:1], sampling([seeded], [p])).item() for p in range(20)]
+    crowd = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
     batch = torch.cat([logits[1:], logits[:1]])
-    tokens_crowded = [sampler(batch, [*crowd, crowded])[3] for _ in range(20)]
-    assert tokens_alone == tokens_crowded and len(set(tokens_alone)) > 1
+    crowded = [sample(batch, sampling([*crowd, seeded], [7, 8, 9, p]))[3].item() for p in range(20)]
+    assert alone == crowded and len(set(alone)) > 1
+    other_seed = [sample(logits[:1], sampling([SamplingParams(temperature=1.0, seed=6)], [p])).item()
+                  for p in range(20)]
+    assert other_seed != alone

@@ -1,8 +1,9 @@
 """CUDA graphs for decode steps: one per capture size, captured largest first into one shared memory pool.
 
-A decode-only step of n sequences replays the graph of the smallest captured size >= n: its inputs are copied
-into static buffers, the padding rows get slot -1 (the KV write skips them) and sequence length 0 (attention
-returns zeros for them), and the first n rows of the static output are the step's hidden states. The attention
+A decode-only step of n sequences replays the graph of the smallest captured size >= n. The graphs read the model's
+step buffers (``StepBuffers``), which every step fills in place, so a replay copies nothing: the padding rows have
+slot -1 (the KV write skips them) and sequence length 0 (attention returns zeros for them), and the first n rows of
+the static output are the step's hidden states. The attention
 kernels read lengths and block tables on the device, so one capture serves every context length. CUDA only: on
 CPU the runner calls the compiled function directly.
 """
@@ -13,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from exec_service.engine.step_inputs import StepInputs
-from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
+from exec_service.engine.step_inputs import StepBuffers
+from kiln.forward_context import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
@@ -22,28 +23,15 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids [T]
 
 
 class CUDAGraphs:
-    def __init__(self, forward: Forward, capture_sizes: tuple[int, ...], max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, forward: Forward, capture_sizes: tuple[int, ...], buffers: StepBuffers, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):
         self.forward = forward
         self.capture_sizes = tuple(sorted(capture_sizes))
-        max_bs = self.capture_sizes[-1]
-        # The static buffers every graph reads and writes; each size uses their first rows.
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        self.buffers = buffers
+        self.hidden = torch.zeros(self.capture_sizes[-1], hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.captured_bytes = 0
-
-    def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1,
-            num_seqs=size)
 
     def capture(self, kv_caches: list[torch.Tensor], on_captured: Callable[[int, int], None] = lambda *_: None
                 ) -> float:
@@ -55,12 +43,13 @@ class CUDAGraphs:
         start = time.perf_counter()
         torch.cuda.synchronize()
         free_before, _ = torch.cuda.mem_get_info()
+        input_ids, positions = self.buffers.input_ids, self.buffers.positions
         for size in reversed(self.capture_sizes):
-            with forward_context(ForwardContext(kv_caches, self._metadata(size))):
-                self.hidden[:size] = self.forward(self.input_ids[:size], self.positions[:size])  # warm-up
+            with forward_context(ForwardContext(kv_caches, self.buffers.graph_metadata(size))):
+                self.hidden[:size] = self.forward(input_ids[:size], positions[:size])  # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.hidden[:size] = self.forward(self.input_ids[:size], self.positions[:size])
+                    self.hidden[:size] = self.forward(input_ids[:size], positions[:size])
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
@@ -78,15 +67,7 @@ class CUDAGraphs:
             return None
         return next(size for size in self.capture_sizes if size >= num_seqs)
 
-    def replay(self, size: int, inputs: StepInputs) -> torch.Tensor:
-        n = inputs.metadata.num_seqs
-        meta = inputs.metadata
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
-        self.slot_mapping.fill_(-1)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.seq_lens.zero_()
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the graph of ``size`` rows on what the step buffers hold; its hidden states, padding included."""
         self.graphs[size].replay()
-        return self.hidden[:n]
+        return self.hidden[:size]

@@ -7,15 +7,13 @@ their RequestStreams; a forward that fails fails that step's requests only, and 
 
 import asyncio
 import logging
+import random
 import threading
-
-import torch
 
 from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.request_stream import RequestOutput, RequestStream, deliver
-from exec_service.engine.sampler import Sampler
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import Sequence
 from kiln.errors import Internal, ResourceExhausted, Unavailable, first_line
@@ -35,7 +33,7 @@ class Engine:
         self.step_observers: list[StepObserver] = step_observers if step_observers is not None else []
         self.block_manager = BlockManager(runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(config.device)
+        self._seeds = random.Random()  # noise seeds for requests that bring none
         self._streams: dict[str, RequestStream] = {}
         self._inbox: list[tuple[Sequence, RequestStream] | str] = []  # new requests, or request ids to abort
         self._wakeup = threading.Condition()
@@ -66,8 +64,7 @@ class Engine:
             raise ResourceExhausted(
                 f"prompt_ids + max_tokens: {seq.max_kv_tokens} tokens need {needed} KV blocks, the cache of "
                 f"{self.name!r} has {self.block_manager.num_blocks}")
-        if seq.params.seed is not None:
-            seq.generator = torch.Generator(device=self.config.device).manual_seed(seq.params.seed)
+        seq.noise_seed = seq.params.seed if seq.params.seed is not None else self._seeds.getrandbits(63)
         stream = RequestStream(asyncio.get_running_loop())
         with self._wakeup:
             if self._stopping:
@@ -129,7 +126,7 @@ class Engine:
         sampling = batch.sampling_entries
         try:
             out = self.runner.execute(batch)
-            token_ids = self.sampler(out.logits, [e.seq for e in sampling])  # the step's one sync
+            token_ids = out.token_ids()  # the step's one sync
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, not the engine
             log.exception("%s: step of %d sequences failed", self.name, batch.num_seqs)
             error = Internal(f"forward failed: {first_line(exc)}")

@@ -16,8 +16,10 @@ from exec_service.engine import kv_cache
 from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.forward_timer import ForwardTimer
+from exec_service.engine.sampler import sample
 from exec_service.engine.scheduler import ScheduledBatch
-from exec_service.engine.step_inputs import StepInputs, prepare
+from exec_service.engine.sequence import Sequence
+from exec_service.engine.step_inputs import StepBuffers
 from kiln import bundle
 from kiln.counters import expect_no_compile
 from kiln.errors import FailedPrecondition, first_line
@@ -31,11 +33,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class StepOutput:
-    logits: torch.Tensor  # [S, V] float32, one row per sequence that samples
+class LaunchedStep:
+    """A step queued on the device. Its sampled ids stay there as the next step's decode inputs, and come back to
+    the host once, in ``token_ids``: the step's only sync."""
+
+    batch: ScheduledBatch
+    sampled: torch.Tensor  # [S] int64 on the device, one per sampling entry of the batch
+    rows: dict[Sequence, int]  # each sampling sequence's row in ``sampled``
     runtime_mode: RuntimeMode
     padded_size: int
     timer: ForwardTimer
+    host: torch.Tensor  # [S] int64 (pinned on CUDA), where ``sampled`` is copied to
+    ready: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is done at once)
+
+    def token_ids(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -49,6 +63,9 @@ class ModelRunner:
         self.num_blocks = 0
         self.compiled = None
         self.cudagraphs: CUDAGraphs | None = None
+        self.buffers: StepBuffers | None = None
+        # Recorded after each step's copy of its sampled ids, one per host set of the buffers.
+        self._ready = [torch.cuda.Event(blocking=True) for _ in range(2)] if self.device == "cuda" else None
 
     def load_weights(self, weights: str, seed: int) -> int:
         self.token_model = build_model(self.resolved, self.device, weights, seed)
@@ -62,6 +79,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.kv_caches = kv_cache.allocate(self.kv_cache_spec, num_blocks, self.device)
+        self.buffers = StepBuffers(self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   self.config.max_blocks_per_seq, self.config.block_size,
+                                   self.resolved.config.vocab_size, self.device)
         log.info("# %s blocks: %d", "GPU" if self.device == "cuda" else "CPU", num_blocks)
 
     @torch.no_grad()
@@ -96,10 +116,10 @@ class ModelRunner:
                                                                      device=self.device),
                 seq_lens=torch.tensor([end], dtype=torch.int32, device=self.device), block_tables=table,
                 max_query_len=end - start, num_seqs=1)
-            self._forward(StepInputs(torch.zeros_like(positions), positions, metadata, positions[-1:]))
+            self._forward(torch.zeros_like(positions), positions, metadata)
 
     def capture_cudagraphs(self, on_captured: Callable[[int, int], None]) -> float:
-        self.cudagraphs = CUDAGraphs(self._compiled_forward, self.config.capture_sizes, self.config.max_blocks_per_seq,
+        self.cudagraphs = CUDAGraphs(self._compiled_forward, self.config.capture_sizes, self.buffers,
                                      self.resolved.config.hidden_size, self.resolved.dtype, torch.device(self.device))
         with torch.no_grad(), expect_no_compile("CUDA-graph capture"):
             return self.cudagraphs.capture(self.kv_caches, on_captured)
@@ -108,22 +128,33 @@ class ModelRunner:
         return self.compiled(self.token_model, input_ids, positions)
 
     @torch.no_grad()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
-        """Run the step's tokens through one forward; logits only for the sequences that sample."""
-        inputs = prepare(batch, self.config.block_size, self.device)
+    def execute(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step: inputs, forward, logits of the sequences that sample, sampling. Nothing waits here.
+
+        Decodes whose input is ``previous``'s sample (not read back yet) take it from there on the device.
+        """
         padded = self.cudagraphs.padded_size(batch.num_seqs, batch.is_decode_only) if self.cudagraphs else None
+        inputs, parity = self.buffers.prepare(batch, padded, previous.sampled if previous else None,
+                                              previous.rows if previous else None)
         with ForwardTimer(self.device) as timer:
             if padded is not None:
-                hidden = self.cudagraphs.replay(padded, inputs)
+                hidden = self.cudagraphs.replay(padded)
             else:
-                hidden = self._forward(inputs)
+                hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
+        sampled = sample(self.token_model.logits(hidden[inputs.sample_rows]), inputs.sampling)
+        host = self.buffers.sampled_host[parity][:sampled.shape[0]]
+        host.copy_(sampled, non_blocking=True)
+        ready = None
+        if self._ready is not None:
+            ready = self._ready[parity]
+            ready.record()
         mode = RuntimeMode.CUDAGRAPH if padded is not None else RuntimeMode.EAGER if self.compiled is None \
             else RuntimeMode.COMPILED
-        logits = self.token_model.logits(hidden[inputs.sample_rows])
-        return StepOutput(logits, mode, padded or inputs.num_tokens, timer)
+        rows = {e.seq: row for row, e in enumerate(batch.sampling_entries)}
+        return LaunchedStep(batch, sampled, rows, mode, padded or inputs.num_tokens, timer, host, ready)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        with forward_context(ForwardContext(self.kv_caches, inputs.metadata)):
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        with forward_context(ForwardContext(self.kv_caches, metadata)):
             if self.compiled is None:
-                return self.token_model(inputs.input_ids, inputs.positions)
-            return self._compiled_forward(inputs.input_ids, inputs.positions)
+                return self.token_model(input_ids, positions)
+            return self._compiled_forward(input_ids, positions)

@@ -1,51 +1,76 @@
-"""Batched sampling for one step: greedy, temperature, top-k, top-p and per-request seeds, one host sync in all.
+"""Sampling on the device for a whole step at once: greedy, temperature, top-k, top-p and seeds, no host sync.
 
-Sampling draws exponential noise and takes ``argmax(probs / noise)``, which picks token i with probability
-``probs[i]`` (nano-vllm's trick) without a multinomial per row. A seeded request draws its noise from its own
-generator, so its tokens do not depend on which other requests share the step.
+A sampled row takes ``argmax(logits / temperature + gumbel)`` (the Gumbel-max trick: token i wins with probability
+``softmax(logits / temperature)[i]``). The noise is counter-based, as in vLLM's GPU model runner: a hash of the
+request's seed, the position of the token being sampled and the token id. So a request's tokens depend on its seed
+and logits only: not on which requests share its steps, on how often it was preempted and recomputed, or on a
+speculative step whose token was thrown away. Requests without a seed are given a random one when they arrive.
+
+Nothing here reads the device; the engine copies the sampled ids back once per step.
 """
+
+from dataclasses import dataclass
 
 import torch
 
-from exec_service.engine.sequence import Sequence
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31 (MurmurHash2's and xxHash32's), so no int64 product of a 32-bit value overflows.
+_MULTIPLIERS = (0x5BD1E995, 0x27D4EB2F, 0x165667B1)
+_TOKEN_SALT = 0x7FEB352D
 
 
-class Sampler:
-    def __init__(self, device: str):
-        self.device = device
+@dataclass
+class SamplingTensors:
+    """Per sampled row, on the device; the flags are known on the host, so a greedy step does nothing more."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """logits [B, V] float32, one row per sequence -> B token ids (the step's only device->host copy)."""
-        if not seqs:
-            return []
-        greedy = logits.argmax(dim=-1)
-        if all(seq.params.is_greedy for seq in seqs):
-            return greedy.tolist()
-        params = [seq.params for seq in seqs]
-        temperature = self._column([p.temperature or 1.0 for p in params], torch.float32)
-        logits = logits / temperature[:, None]
-        if any(p.top_k for p in params) or any(p.top_p < 1.0 for p in params):
-            logits = self._top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[row].exponential_(generator=seq.generator)
-        sampled = probs.div_(noise).argmax(dim=-1)
-        is_greedy = self._column([p.is_greedy for p in params], torch.bool)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+    temperature: torch.Tensor  # [S] float32; 0 is greedy
+    top_k: torch.Tensor  # [S] int64; the vocabulary size keeps every token
+    top_p: torch.Tensor  # [S] float32
+    seeds: torch.Tensor  # [S] int64
+    positions: torch.Tensor  # [S] int64: where the sampled token goes in its sequence
+    all_greedy: bool
+    any_top_k_top_p: bool
 
-    def _column(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _top_k_top_p(self, logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-        """Mask to -inf every token outside its row's k most likely and outside its smallest top-p nucleus."""
-        vocab = logits.shape[-1]
-        ordered, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device)
-        k = self._column([k or vocab for k in top_k], torch.int64)
-        ordered = ordered.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-        probs = ordered.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always stays: its mass_before is 0
-        ordered = ordered.masked_fill(mass_before > self._column(top_p, torch.float32)[:, None], float("-inf"))
-        return torch.full_like(logits, float("-inf")).scatter_(-1, order, ordered)
+def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """logits [S, V] float32 -> [S] int64 token ids, on the logits' device."""
+    greedy = logits.argmax(dim=-1)
+    if params.all_greedy:
+        return greedy
+    temperature = params.temperature
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if params.any_top_k_top_p:
+        scaled = _top_k_top_p(scaled, params.top_k, params.top_p)
+    uniform = counter_uniform(params.seeds, params.positions, logits.shape[-1])
+    sampled = scaled.add_(uniform.log_().neg_().log_().neg_()).argmax(dim=-1)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] float32 strictly inside (0, 1): a pure function of (seed, position, token id), on any device."""
+    key = _mix32((seeds >> 32) & _MASK32)
+    key = _mix32(key ^ (seeds & _MASK32))
+    key = _mix32(key ^ (positions & _MASK32))
+    tokens = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) ^ _TOKEN_SALT)
+    bits = _mix32(key[:, None] ^ tokens[None, :])
+    return (bits >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """An xorshift-multiply hash of 32-bit values held in int64 (a new tensor; ``x`` is left alone)."""
+    x = x ^ (x >> 16)
+    for multiplier, shift in zip(_MULTIPLIERS, (15, 13, 16), strict=True):
+        x.mul_(multiplier).bitwise_and_(_MASK32)
+        x.bitwise_xor_(x >> shift)
+    return x
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every token outside its row's k most likely and outside its smallest top-p nucleus."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    ordered = ordered.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always stays: its mass_before is 0
+    ordered = ordered.masked_fill(mass_before > top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, ordered)

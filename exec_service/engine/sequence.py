@@ -4,8 +4,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -69,7 +67,7 @@ class Sequence:
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
     finished_s: float | None = None
-    generator: torch.Generator | None = None  # this request's own random stream, when it has a seed
+    noise_seed: int = 0  # keys the sampler's noise: the request's seed, or a random one the engine gives it
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

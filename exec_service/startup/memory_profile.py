@@ -11,16 +11,11 @@ import time
 import torch
 
 from exec_service.engine.engine_config import EngineConfig
-from exec_service.engine.sampler import Sampler
-from exec_service.engine.sequence import SamplingParams, Sequence
+from exec_service.engine.sampler import SamplingTensors, sample
 from kiln.counters import expect_no_compile
 from kiln.model import TokenModel
 
 log = logging.getLogger(__name__)
-
-# Sampling settings of the profile's sampler pass: the sort behind top-k/top-p is its memory peak.
-_PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-
 
 @torch.no_grad()
 def profile_memory(token_model: TokenModel, config: EngineConfig) -> int:
@@ -41,8 +36,7 @@ def profile_memory(token_model: TokenModel, config: EngineConfig) -> int:
     with expect_no_compile("the memory profile"):
         hidden = token_model(torch.zeros(tokens, dtype=torch.int64, device=device), torch.arange(tokens, device=device))
         rows = min(config.max_num_seqs, tokens)
-        seqs = [Sequence(f"profile-{i}", [0], _PROFILE_SAMPLING, config.max_model_len) for i in range(rows)]
-        Sampler(device)(token_model.logits(hidden[:rows]), seqs)
+        sample(token_model.logits(hidden[:rows]), _profile_sampling(rows, device))
     peak = 0
     if cuda:
         torch.cuda.synchronize()
@@ -50,3 +44,13 @@ def profile_memory(token_model: TokenModel, config: EngineConfig) -> int:
     del hidden
     log.info("Memory profiling took %.2f seconds", time.perf_counter() - start)
     return peak
+
+
+def _profile_sampling(rows: int, device: str) -> SamplingTensors:
+    """Every row sampled with top-k and top-p: the sort behind them, and the noise, are the sampler's memory peak."""
+    def column(value, dtype):
+        return torch.full((rows,), value, dtype=dtype, device=device)
+
+    return SamplingTensors(temperature=column(1.0, torch.float32), top_k=column(50, torch.int64),
+                           top_p=column(0.9, torch.float32), seeds=column(0, torch.int64),
+                           positions=column(1, torch.int64), all_greedy=False, any_top_k_top_p=True)
