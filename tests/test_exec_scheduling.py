@@ -7,6 +7,7 @@ from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.sampler import SamplingTensors, sample
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from exec_service.engine.step_inputs import StepBuffers
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0)
 
@@ -90,6 +91,77 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert manager.num_free_blocks == 14
     assert scheduler.abort("waiting") is waiting and scheduler.abort("running") is running
     assert manager.num_free_blocks == 16 and not scheduler.has_work and scheduler.abort("running") is None
+
+
+def entries_of(batch) -> list[tuple[str, int, int]]:
+    return [(e.seq.request_id, e.start, e.num_new_tokens) for e in batch.entries]
+
+
+def test_the_next_step_is_scheduled_before_this_ones_tokens_are_read():
+    """As the overlapped engine runs: schedule N+1, then read N. A decode of a token still in flight is scheduled
+    against it; a token sampled for a sequence that finished meanwhile is dropped; a sequence whose last token is
+    in flight is left out."""
+    scheduler = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=64)
+    stops = seq("stops", 4, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=frozenset({9})))
+    short = seq("short", 3, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    for s in (stops, short):
+        scheduler.add(s)
+    first = scheduler.schedule()
+    assert entries_of(first) == [("stops", 0, 4), ("short", 0, 3)]
+    assert stops.num_pending == 1 and stops.num_computed_tokens == 4 and stops.num_tokens == 4
+    second = scheduler.schedule()  # first's tokens are not read yet: each decodes its pending token
+    assert entries_of(second) == [("stops", 4, 1), ("short", 3, 1)]
+    assert stops.num_pending == 2 and short.reaches_max_tokens
+    assert scheduler.postprocess(first, [9, 5]) == [(first.entries[0], 9), (first.entries[1], 5)]
+    assert stops.finish_reason == FinishReason.STOP and scheduler.running == [short]
+    assert not scheduler.schedule().entries  # short's last token is in flight, stops is done
+    kept = scheduler.postprocess(second, [7, 6])
+    assert [(e.seq.request_id, t) for e, t in kept] == [("short", 6)]  # stops' speculative token is dropped
+    assert stops.output_token_ids == [9] and short.output_token_ids == [5, 6] and short.is_finished
+    assert not scheduler.has_work and scheduler.block_manager.num_free_blocks == 64
+
+
+def test_a_sequence_preempted_or_aborted_in_flight_keeps_or_drops_its_token():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
+    old, new, gone = seq("old", 7), seq("new", 7), seq("gone", 2)
+    for s in (old, new):
+        scheduler.add(s)
+    run_step(scheduler)  # both prefill 7 tokens into 2 blocks each: the cache is full
+    in_flight = scheduler.schedule()  # both decode token 8 (position 7): still their second block
+    assert entries_of(in_flight) == [("old", 7, 1), ("new", 7, 1)] and manager.num_free_blocks == 0
+    batch = scheduler.schedule()  # old's position 8 needs a third block: new goes, its token still in flight
+    assert entries_of(batch) == [("old", 8, 1)] and new.status is SequenceStatus.WAITING and new.num_pending == 1
+    scheduler.abort("old")
+    scheduler.add(gone)
+    assert entries_of(scheduler.schedule()) == [], "new waits for its token; gone may not pass it"
+    scheduler.postprocess(in_flight, [11, 12])
+    scheduler.postprocess(batch, [13])
+    assert old.output_token_ids == [7] and new.output_token_ids == [7, 12]  # old's in-flight tokens: dropped
+    assert entries_of(run_step(scheduler)) == [("new", 0, 9), ("gone", 0, 2)]  # recompute, with the token kept
+    assert new.output_token_ids == [7, 12, 7]
+
+
+def test_step_inputs_take_a_pending_token_from_the_previous_steps_output_and_pad_for_a_graph():
+    scheduler = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = seq("a", 5), seq("b", 3, SamplingParams(temperature=0.5, top_k=7, seed=3))
+    scheduler.add(a)
+    scheduler.add(b)
+    buffers = StepBuffers(max_tokens=64, max_seqs=8, max_blocks_per_seq=8, block_size=4, vocab_size=512, device="cpu")
+    first, _ = buffers.prepare(scheduler.schedule())
+    assert first.input_ids.tolist() == a.token_ids + b.token_ids and first.sample_rows.tolist() == [4, 7]
+    assert first.metadata.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8, 9, 10]  # a: blocks 0, 1; b: block 2
+    previous = torch.tensor([101, 202])  # the first step's sampled ids, still "on the device"
+    second, _ = buffers.prepare(scheduler.schedule(), padded_seqs=4, previous_sampled=previous,
+                                previous_rows={a: 0, b: 1})
+    assert second.input_ids.tolist() == [101, 202, 0, 0] and second.positions.tolist() == [5, 3, 0, 0]
+    meta = second.metadata
+    assert meta.slot_mapping.tolist() == [5, 11, -1, -1] and meta.seq_lens.tolist() == [6, 4, 0, 0]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4] and (meta.num_seqs, meta.max_query_len) == (2, 1)
+    assert meta.block_tables[:2, :2].tolist() == [[0, 1], [2, 0]]
+    sampling = second.sampling
+    assert sampling.positions.tolist() == [6, 4] and sampling.seeds.tolist() == [a.noise_seed, 3]
+    assert sampling.top_k.tolist() == [512, 7] and not sampling.all_greedy and sampling.any_top_k_top_p
 
 
 def test_stop_conditions():

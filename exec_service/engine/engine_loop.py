@@ -1,8 +1,12 @@
-"""The serving loop of one model, in its own thread: schedule → execute → sample → postprocess → stream.
+"""The serving loop of one model, in its own thread: schedule → launch → read the previous step → stream.
 
-Requests and cancellations arrive from the event loop through an inbox and are applied between steps, so new
-requests join the running batch at the next step. Each step's tokens go back to the Generate handlers through
-their RequestStreams; a forward that fails fails that step's requests only, and the loop goes on.
+The device never waits for Python: step N+1 is scheduled, its inputs prepared and its forward and sampling queued
+while step N runs, and only then does the loop read step N's sampled tokens (the one sync per step), append them,
+and stream them (vLLM's async scheduling, SGLang's overlap scheduler). Step N+1's decodes take their input tokens
+from step N's output on the device; a sequence that step N finished or a client cancelled wastes one slot of step
+N+1, whose token is dropped. Requests and cancellations arrive from the event loop through an inbox and are applied
+between steps. Each step's tokens go back to the Generate handlers through their RequestStreams; a step that fails
+fails its requests only, and the loop goes on.
 """
 
 import asyncio
@@ -12,7 +16,7 @@ import threading
 
 from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_config import EngineConfig
-from exec_service.engine.model_runner import ModelRunner
+from exec_service.engine.model_runner import LaunchedStep, ModelRunner
 from exec_service.engine.request_stream import RequestOutput, RequestStream, deliver
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import Sequence
@@ -64,7 +68,8 @@ class Engine:
             raise ResourceExhausted(
                 f"prompt_ids + max_tokens: {seq.max_kv_tokens} tokens need {needed} KV blocks, the cache of "
                 f"{self.name!r} has {self.block_manager.num_blocks}")
-        seq.noise_seed = seq.params.seed if seq.params.seed is not None else self._seeds.getrandbits(63)
+        if seq.params.seed is None:
+            seq.noise_seed = self._seeds.getrandbits(63)
         stream = RequestStream(asyncio.get_running_loop())
         with self._wakeup:
             if self._stopping:
@@ -97,12 +102,13 @@ class Engine:
     # The engine thread.
 
     def _run(self) -> None:
+        in_flight: LaunchedStep | None = None
         while True:
             with self._wakeup:
-                while not self._inbox and not self.scheduler.has_work and not self._stopping:
+                while not self._inbox and not self.scheduler.has_work and in_flight is None and not self._stopping:
                     self._wakeup.wait()
                 if self._stopping:
-                    return
+                    break
                 inbox, self._inbox = self._inbox, []
             for item in inbox:
                 if isinstance(item, str):
@@ -111,35 +117,38 @@ class Engine:
                     seq, stream = item
                     self._streams[seq.request_id] = stream
                     self.scheduler.add(seq)
-            if self.scheduler.has_work:
-                self.step()
+            batch = self.scheduler.schedule()
+            launched, failure = None, None
+            if batch.entries:
+                try:
+                    launched = self.runner.execute(batch, in_flight)
+                except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                    failure = exc
+            if in_flight is not None:
+                self._finish(in_flight)
+            if failure is not None:  # after the step before it, so what that step finished ends normally
+                self._fail(batch, failure)
+            in_flight = launched
+        if in_flight is not None:
+            self._finish(in_flight)
 
     def _abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:
             log.info("%s: request %s cancelled", self.name, request_id)
         self._streams.pop(request_id, None)
 
-    def step(self) -> None:
-        batch = self.scheduler.schedule()
-        if not batch.entries:
-            return
-        sampling = batch.sampling_entries
+    def _finish(self, step: LaunchedStep) -> None:
+        """Read a launched step's tokens (the sync), append them and hand them to their streams."""
         try:
-            out = self.runner.execute(batch)
-            token_ids = out.token_ids()  # the step's one sync
-        except Exception as exc:  # noqa: BLE001 - a failed forward fails its requests, not the engine
-            log.exception("%s: step of %d sequences failed", self.name, batch.num_seqs)
-            error = Internal(f"forward failed: {first_line(exc)}")
-            for entry in batch.entries:
-                self.scheduler.abort(entry.seq.request_id)
-                self._end(entry.seq, RequestOutput(error=error))
+            token_ids = step.token_ids()
+        except Exception as exc:  # noqa: BLE001 - the device failed while it ran the step
+            self._fail(step.batch, exc)
             return
         # Observed before any request hears of its tokens: a request's span is still live when its last step's
         # forward span links to it.
-        self._observe(batch, out.runtime_mode, out.padded_size, out.timer.start_ns, out.timer.elapsed_ms())
-        self.scheduler.postprocess(batch, token_ids)
+        self._observe(step.batch, step.runtime_mode, step.padded_size, step.timer.start_ns, step.timer.elapsed_ms())
         outputs = []
-        for entry, token_id in zip(sampling, token_ids, strict=True):
+        for entry, token_id in self.scheduler.postprocess(step.batch, token_ids):
             seq = entry.seq
             if seq.is_finished:
                 stream, output = self._streams.pop(seq.request_id, None), RequestOutput(
@@ -149,6 +158,15 @@ class Engine:
             if stream is not None:
                 outputs.append((stream, output))
         deliver(outputs)
+
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> None:
+        """End the step's requests that are still live with INTERNAL and free their blocks."""
+        log.error("%s: step of %d sequences failed", self.name, batch.num_seqs, exc_info=exc)
+        error = Internal(f"forward failed: {first_line(exc)}")
+        for entry in batch.entries:
+            if not entry.seq.is_finished:
+                self.scheduler.drop(entry.seq)
+                self._end(entry.seq, RequestOutput(error=error))
 
     def _end(self, seq: Sequence, output: RequestOutput) -> None:
         stream = self._streams.pop(seq.request_id, None)

@@ -1,8 +1,13 @@
-"""Continuous batching: each step takes the running sequences first, then admits waiting ones, under two budgets.
+"""Continuous batching: each step takes the running decodes first, then running prefill chunks, then admits waiting
+sequences, under two budgets (tokens per step, sequences at once).
 
-A step mixes decodes (one token) with prefill chunks (up to the token budget), so a long prompt never stalls the
-sequences already generating. When the KV cache runs out, the newest running sequence is preempted by recompute:
-its blocks are freed and it goes back to the front of the waiting queue.
+A step mixes decodes (one token) with prefill chunks (up to the token budget), and decodes come first, so a long
+prompt never stalls the sequences already generating. When the KV cache runs out, the newest running sequence not
+yet in the step is preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue.
+
+The engine schedules step N+1 before it has read step N's tokens (they are still on the device): a sequence that
+sampled in step N decodes that token in step N+1 (``Sequence.num_pending``), one whose last token is in flight is
+left out, and ``postprocess`` drops the token of a sequence that finished or was aborted in the meantime.
 """
 
 import time
@@ -75,24 +80,28 @@ class Scheduler:
         """The next step's sequences and token counts; empty when nothing can run (e.g. right after preemption)."""
         budget = self.max_num_batched_tokens
         entries: list[ScheduledSequence] = []
+        scheduled: set[Sequence] = set()
         preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
+        for decodes in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
-                break
-            entries.append(self._run(seq, num_new))
-            budget -= num_new
-            index += 1
+                if seq.status is not SequenceStatus.RUNNING or seq.reaches_max_tokens:
+                    continue
+                if (seq.num_uncomputed_tokens == 1) != decodes:
+                    continue
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                victims = self._make_room(seq, num_new, scheduled)
+                preempted = preempted or bool(victims)
+                if seq in victims:
+                    continue
+                entries.append(self._run(seq, num_new))
+                scheduled.add(seq)
+                budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted while a step sampled for it: admitted once that token is read
+                break
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):
                 break
@@ -103,38 +112,34 @@ class Scheduler:
             budget -= num_new
         return ScheduledBatch(entries)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> None:
-        """Advance every scheduled sequence, append the sampled tokens, retire and free the finished ones."""
-        for entry in batch.entries:
-            entry.seq.num_computed_tokens = entry.end
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[ScheduledSequence, int]]:
+        """Append a step's sampled tokens to their sequences and retire the finished ones.
+
+        Returns the entries whose token counts, with it: a sequence that finished by an earlier token or was aborted
+        since the step was scheduled had a speculative slot in it, and its token is dropped.
+        """
+        kept = []
         for entry, token_id in zip(batch.sampling_entries, sampled, strict=True):
-            entry.seq.append_token(token_id)
-            if entry.seq.is_finished:
-                self._retire(entry.seq)
+            seq = entry.seq
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue
+            seq.append_token(token_id)
+            if seq.is_finished:
+                self.drop(seq)
+            kept.append((entry, token_id))
+        return kept
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is and free its blocks at once; None when it is not here (already done)."""
         for seq in [*self.running, *self.waiting]:
             if seq.request_id == request_id:
-                self._retire(seq)
+                self.drop(seq)
                 return seq
         return None
 
-    def _run(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
-        if seq.first_scheduled_s is None:
-            seq.first_scheduled_s = time.perf_counter()
-        start = seq.num_computed_tokens
-        return ScheduledSequence(seq, start, num_new, samples=start + num_new == seq.num_tokens)
-
-    def _preempt(self, seq: Sequence) -> None:
-        seq.preemptions.append((time.time_ns(), seq.num_computed_tokens))
-        self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-
-    def _retire(self, seq: Sequence) -> None:
+    def drop(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running or waiting queue, free its blocks, and mark it finished."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -142,3 +147,31 @@ class Scheduler:
         self.block_manager.free(seq)
         if not seq.is_finished:
             seq.status = SequenceStatus.FINISHED
+
+    def _make_room(self, seq: Sequence, num_new: int, scheduled: set[Sequence]) -> list[Sequence]:
+        """Preempt the newest running sequences not in this step until ``seq`` gets its blocks, ``seq`` itself
+        last of all; returns the preempted."""
+        victims = []
+        while seq not in victims and not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+            victim = next(s for s in reversed(self.running) if s not in scheduled)
+            self._preempt(victim)
+            victims.append(victim)
+        return victims
+
+    def _run(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+        if seq.first_scheduled_s is None:
+            seq.first_scheduled_s = time.perf_counter()
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += num_new
+        samples = seq.num_uncomputed_tokens == 0
+        if samples:
+            seq.num_pending += 1
+        return ScheduledSequence(seq, start, num_new, samples)
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.preemptions.append((time.time_ns(), seq.num_computed_tokens))
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)

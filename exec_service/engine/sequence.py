@@ -45,8 +45,11 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """Prompt plus output tokens; ``num_computed_tokens`` of them have their keys and values in the cache.
+    """Prompt plus output tokens; ``num_computed_tokens`` of them have their keys and values in the cache, or will
+    have once the steps in flight have run (it advances when a step is scheduled).
 
+    ``num_pending`` tokens were sampled by steps in flight and are not known on the host yet: they follow
+    ``token_ids``, and a decode whose input is one of them takes it from the previous step's output on the device.
     Preemption by recompute sets ``num_computed_tokens`` back to 0 and frees the blocks; the output tokens are kept,
     so the next prefill covers prompt and output alike and sampling resumes where it stopped.
     """
@@ -58,6 +61,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None  # set when it finishes
@@ -71,6 +75,8 @@ class Sequence:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.noise_seed = self.params.seed
 
     @property
     def num_preemptions(self) -> int:
@@ -90,12 +96,22 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt and output tokens at the longest: reaching it finishes the sequence."""
+        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len)
+
+    @property
+    def reaches_max_tokens(self) -> bool:
+        """Its last token is sampled already, by a step in flight: nothing is left to schedule."""
+        return self.num_tokens + self.num_pending >= self.max_total_tokens
 
     @property
     def max_kv_tokens(self) -> int:
         """Tokens whose keys and values the cache must hold at the longest: the last sampled token never runs."""
-        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len) - 1
+        return self.max_total_tokens - 1
 
     def append_token(self, token_id: int) -> None:
         if self.first_token_s is None:
@@ -103,7 +119,7 @@ class Sequence:
         self.token_ids.append(token_id)
         if token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
             self.finish(FinishReason.STOP)
-        elif len(self.token_ids) >= min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len):
+        elif len(self.token_ids) >= self.max_total_tokens:
             self.finish(FinishReason.LENGTH)
 
     def finish(self, reason: FinishReason) -> None:
