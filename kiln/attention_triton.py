@@ -10,7 +10,8 @@ Same semantics as ``kiln.attention_reference.paged_attention``, in three kernels
   stays correct when it is replayed with other lengths and tables.
 - Every other step (prefill, mixed prefill and decode, prefill over a cached prefix) runs one varlen
   flash-attention launch over the paged cache: the new tokens are written first, so a sequence's whole context
-  is read from the cache, and queries sit at the end of it (causal).
+  is read from the cache, and queries sit at the end of it (causal). A mixed step's leading one-query sequences
+  (``AttentionMetadata.num_decodes``) go to the decode kernels instead.
 
 Accumulation is in fp32 (fp32 inputs use tf32 dots); the output has q's dtype. Rows of the batch that are CUDA-graph
 padding (sequence length 0) produce zeros.
@@ -500,5 +501,8 @@ def paged_attention(
     if meta.is_decode:
         _decode(q, kv_cache, meta, scale, out)
     else:
-        _prefill(q, kv_cache, meta, scale, out)
+        decodes, rest = meta.split_decodes()
+        if decodes is not None:
+            _decode(q, kv_cache, decodes, scale, out)
+        _prefill(q, kv_cache, rest, scale, out)
     return out

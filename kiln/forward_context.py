@@ -26,10 +26,24 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     max_query_len: int
     num_seqs: int  # real sequences; rows past it are CUDA-graph padding
+    num_decodes: int = 0  # leading sequences with one query token (the engine schedules decodes first)
 
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    def split_decodes(self) -> tuple["AttentionMetadata | None", "AttentionMetadata"]:
+        """A mixed step as its leading one-query sequences and the rest, so the GPU attends the first with the
+        decode kernel (K/V read once per GQA group) and only the rest with the prefill kernel. Token offsets stay
+        absolute: both halves index the step's q and output as a whole."""
+        n = self.num_decodes
+        if n == 0:
+            return None, self
+        decodes = AttentionMetadata(self.slot_mapping, self.query_start_loc[:n + 1], self.seq_lens[:n],
+                                    self.block_tables[:n], max_query_len=1, num_seqs=n)
+        rest = AttentionMetadata(self.slot_mapping, self.query_start_loc[n:], self.seq_lens[n:],
+                                 self.block_tables[n:], self.max_query_len, self.num_seqs - n)
+        return decodes, rest
 
 
 @dataclass

@@ -70,6 +70,7 @@ def make_case(
         block_tables=block_tables.to(device),
         max_query_len=max(all_query_lens),
         num_seqs=len(seq_lens),
+        num_decodes=next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens)),
     )
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     return Case(q, k, v, kv_cache, meta, head_dim**-0.5)
@@ -119,10 +120,12 @@ def test_decode(shape, padding_rows):
     check(make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, padding_rows))
 
 
-# (seq_lens, query_lens): fresh prefill, mixed prefill + decode, prefill over a cached prefix (e.g. recompute).
+# (seq_lens, query_lens): fresh prefill, mixed prefill + decode (the leading decodes go to the decode kernels),
+# prefill over a cached prefix (e.g. recompute).
 PREFILL_STEPS = {
     "prefill": ([37, 128, 5, 300, 64], [37, 128, 5, 300, 64]),
     "mixed": ([101, 3001, 50, 8, 264, 1], [1, 1, 50, 1, 200, 1]),
+    "decodes_first": ([700, 3001, 90, 1, 1500, 64], [1, 1, 1, 1, 300, 64]),  # as the engine orders a mixed step
     "cached_prefix": ([1017, 97, 2630, 65], [17, 64, 130, 65]),
     "long": ([1500, 700], [1500, 333]),
 }

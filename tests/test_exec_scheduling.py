@@ -8,6 +8,7 @@ from exec_service.engine.sampler import SamplingTensors, sample
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from exec_service.engine.step_inputs import StepBuffers
+from kiln import attention_reference
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0)
 
@@ -162,6 +163,28 @@ def test_step_inputs_take_a_pending_token_from_the_previous_steps_output_and_pad
     sampling = second.sampling
     assert sampling.positions.tolist() == [6, 4] and sampling.seeds.tolist() == [a.noise_seed, 3]
     assert sampling.top_k.tolist() == [512, 7] and not sampling.all_greedy and sampling.any_top_k_top_p
+
+
+def test_a_mixed_step_splits_into_its_leading_decodes_and_the_rest():
+    """Decodes come first in a mixed step; attending the two halves apart (as the GPU does, decode kernel and
+    prefill kernel) gives what attending the step whole gives."""
+    scheduler = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=24)
+    for name, length in (("a", 3), ("b", 5), ("long", 30)):
+        scheduler.add(seq(name, length))
+    run_step(scheduler)  # a and b prefill, long takes the rest of the budget
+    buffers = StepBuffers(max_tokens=24, max_seqs=8, max_blocks_per_seq=16, block_size=4, vocab_size=512, device="cpu")
+    inputs, _ = buffers.prepare(scheduler.schedule())
+    meta = inputs.metadata
+    assert meta.num_decodes == 2 and meta.max_query_len > 1
+    decodes, rest = meta.split_decodes()
+    assert decodes.query_start_loc.tolist() == [0, 1, 2] and rest.query_start_loc.tolist()[0] == 2
+    torch.manual_seed(0)
+    tokens = inputs.num_tokens
+    q, k, v = torch.randn(tokens, 4, 8), torch.randn(tokens, 2, 8), torch.randn(tokens, 2, 8)
+    cache = torch.randn(2, 32, 4, 2, 8)
+    whole = attention_reference.paged_attention(q, k, v, cache.clone(), meta, 0.3)
+    halves = [attention_reference.paged_attention(q, k, v, cache.clone(), part, 0.3) for part in (decodes, rest)]
+    torch.testing.assert_close(halves[0] + halves[1], whole)
 
 
 def test_stop_conditions():

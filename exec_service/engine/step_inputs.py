@@ -179,7 +179,8 @@ class StepBuffers:
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:total_tokens], query_start_loc=self.query_start_loc[:total_seqs + 1],
             seq_lens=self.seq_lens[:total_seqs], block_tables=self.block_tables[:total_seqs],
-            max_query_len=max(e.num_new_tokens for e in batch.entries), num_seqs=num_seqs)
+            max_query_len=max(e.num_new_tokens for e in batch.entries), num_seqs=num_seqs,
+            num_decodes=next((i for i, e in enumerate(batch.entries) if e.num_new_tokens > 1), num_seqs))
         inputs = StepInputs(self.input_ids[:total_tokens], self.positions[:total_tokens], metadata,
                             long.device_view("sample_rows")[:num_samples], sampling)
         return inputs, parity
