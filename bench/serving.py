@@ -1,28 +1,56 @@
-"""Startup and throughput through the real gRPC servers, against transformers' `generate_batch` in the same run.
+"""Throughput and latency under load through the real gRPC servers, against transformers' `generate_batch`.
 
-1. Starts `kiln compile-server` and `kiln exec-server` as child processes on loopback (fresh store).
-2. Compiles the model (cold), then LoadModel twice: the first downloads the bundle from the compile service,
-   the second (after UnloadModel) finds it in the execute service's cache; each phase's seconds are reported.
-3. Sends N requests at once (prompt lengths uniform in [--min-prompt, --max-prompt], fixed seed, --output-len
-   tokens each with ignore_eos, greedy) and reports output tokens/s.
-4. Stops the servers and runs the same prompts through transformers' `generate_batch` on the same config.
+1. Starts `kiln compile-server` and `kiln exec-server` as child processes on loopback (fresh store), compiles the
+   model (cold), then LoadModel twice: the first downloads the bundle, the second (after UnloadModel) finds it in the
+   execute service's cache; each phase's seconds are reported. (`--exec-server` and `--model` use a running
+   service and a model loaded there instead.)
+2. For each `--request-rate` R: N requests (prompt lengths uniform in [--min-prompt, --max-prompt], fixed seed,
+   --output-len tokens each with ignore_eos, greedy) arrive as a Poisson process of R requests/s (exponential gaps
+   from a fixed seed; `inf` sends them all at once), and the run reports what vLLM's `benchmark_serving` reports,
+   figure for figure: request and token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, median, P99),
+   measured at the client as vLLM measures them. Then Kiln's own: the fraction of the wall time the GPU ran
+   forwards (the sum of the forward times the engine measured with CUDA events, over the run's duration), and the
+   execute service's CPU time per output token: its event-loop thread (gRPC, protobuf, asyncio: the cost of
+   streaming each token) and its other threads (the engine thread above all). Linux, local services only.
+3. Runs the same prompts through transformers' `generate_batch` (the saturated figure's reference).
+4. With --json-out F: the results as JSON, the per-rate table as F's stem + `_rates.csv`, and TTFT and ITL against
+   the rate as `_rates.png` when matplotlib is importable (else it says so; the CSV has the same figures).
 
-usage: python bench/serving.py [--preset llama-3-8b] [--requests 128]
+usage: python bench/serving.py [--preset llama-3-8b] [--requests 128] [--request-rate 2,8,32,inf] [--json-out F]
 """
 
 import argparse
 import asyncio
+import csv
 import json
+import math
+import os
 import random
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from kiln.grpc_server import CHANNEL_OPTIONS
 from kiln_cli.service_process import LocalServices
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
+
+SECTION_WIDTH = 50  # vLLM's result block: 50 columns, labels left-aligned in 40
+
+
+@dataclass
+class RequestTiming:
+    """One request as the client saw it: perf_counter seconds."""
+
+    prompt_tokens: int
+    sent: float
+    arrivals: list[float] = field(default_factory=list)  # each message that carried tokens
+    output_tokens: int = 0
+    done: float = 0.0
 
 
 async def load(stub, request) -> dict:
@@ -37,23 +65,132 @@ async def load(stub, request) -> dict:
     return {"phases": phases, "blocks": sizing.num_kv_blocks, "capture_sizes": list(sizing.capture_sizes)}
 
 
-async def generate_all(stub, model: str, prompts: list[list[int]], output_len: int) -> dict:
-    async def one(prompt):
-        tokens, usage = 0, None
+def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: a Poisson process of ``rate`` per second."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng, now, offsets = random.Random(seed), 0.0, []
+    for _ in range(count):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets
+
+
+async def send_all(stub, model: str, prompts: list[list[int]], output_len: int, offsets: list[float]
+                   ) -> tuple[list[RequestTiming], float]:
+    """Every request at its offset; returns their timings and the wall time from the first send to the last token."""
+
+    async def one(prompt: list[int], offset: float) -> RequestTiming:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        timing = RequestTiming(len(prompt), time.perf_counter())
         async for response in stub.Generate(exec_pb2.GenerateRequest(
                 model=model, prompt_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)):
-            tokens += len(response.token_ids)
-            if response.HasField("usage"):
-                usage = response.usage
-        return tokens, usage
+            if response.token_ids:
+                timing.arrivals.append(time.perf_counter())
+                timing.output_tokens += len(response.token_ids)
+        timing.done = time.perf_counter()
+        return timing
 
-    started = time.perf_counter()
-    results = await asyncio.gather(*(one(p) for p in prompts))
-    wall = time.perf_counter() - started
-    tokens = sum(t for t, _ in results)
-    ttft = sorted(u.time_to_first_token_s for _, u in results)
-    return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-            "ttft_median_s": ttft[len(ttft) // 2]}
+    start = time.perf_counter()
+    timings = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets, strict=True)))
+    return timings, max(t.done for t in timings) - start
+
+
+def latency_metrics(timings: list[RequestTiming], duration_s: float) -> dict:
+    """vLLM benchmark_serving's figures: TTFT from send to the first token, TPOT over the tokens after it, ITL between
+    successive messages, E2EL from send to the last token; milliseconds."""
+    ttft = [(t.arrivals[0] - t.sent) * 1e3 for t in timings]
+    tpot = [(t.done - t.arrivals[0]) * 1e3 / (t.output_tokens - 1) for t in timings if t.output_tokens > 1]
+    itl = [(b - a) * 1e3 for t in timings for a, b in zip(t.arrivals, t.arrivals[1:], strict=False)]
+    e2el = [(t.done - t.sent) * 1e3 for t in timings]
+    output = sum(t.output_tokens for t in timings)
+    metrics = {
+        "completed": len(timings), "duration_s": duration_s, "input_tokens": sum(t.prompt_tokens for t in timings),
+        "output_tokens": output, "request_throughput": len(timings) / duration_s,
+        "output_throughput": output / duration_s,
+        "total_token_throughput": (output + sum(t.prompt_tokens for t in timings)) / duration_s,
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        values = values or [0.0]
+        metrics |= {f"mean_{name}_ms": statistics.mean(values), f"median_{name}_ms": float(np.percentile(values, 50)),
+                    f"p99_{name}_ms": float(np.percentile(values, 99))}
+    return metrics
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's main thread (the execute service's event loop) and of all its other threads."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = {"event_loop": 0.0, "other_threads": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3 of proc(5)
+        seconds = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime: fields 14 and 15
+        cpu["event_loop" if task.name == str(pid) else "other_threads"] += seconds
+    return cpu
+
+
+async def run_rate(stub, model: str, prompts: list[list[int]], args, rate: float, exec_pid: int | None) -> dict:
+    await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model, reset=True))
+    cpu_before = thread_cpu_s(exec_pid) if exec_pid else None
+    timings, duration = await send_all(stub, model, prompts, args.output_len,
+                                       arrival_offsets(len(prompts), rate, args.seed))
+    stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
+    result = {"request_rate": rate, **latency_metrics(timings, duration)}
+    result["gpu_busy"] = sum(s.total_ms for s in stats) / 1e3 / duration
+    result["forward_stats"] = [(s.batch_size, s.count, round(s.median_ms, 2)) for s in stats]
+    busiest = max(stats, key=lambda s: s.count, default=None)
+    result["typical_step"] = (busiest.batch_size, busiest.median_ms) if busiest else None
+    if cpu_before is not None:
+        cpu_after = thread_cpu_s(exec_pid)
+        for key in cpu_before:
+            result[f"{key}_cpu_ms_per_token"] = (cpu_after[key] - cpu_before[key]) * 1e3 / result["output_tokens"]
+    print_result(result)
+    return result
+
+
+def print_result(r: dict) -> None:
+    """The block vLLM's benchmark_serving prints (percentile metrics ttft,tpot,itl,e2el), then Kiln's own lines."""
+    def line(label: str, value, fmt: str = ".2f") -> None:
+        print(f"{label:<40} {value:<10{fmt}}")
+
+    def section(title: str, fill: str = "-") -> None:
+        print(f"{title:{fill}^{SECTION_WIDTH}}")
+
+    print(f"Traffic request rate: {r['request_rate']}")
+    section(" Serving Benchmark Result ", "=")
+    line("Successful requests:", r["completed"], "")
+    line("Benchmark duration (s):", r["duration_s"])
+    line("Total input tokens:", r["input_tokens"], "")
+    line("Total generated tokens:", r["output_tokens"], "")
+    line("Request throughput (req/s):", r["request_throughput"])
+    line("Output token throughput (tok/s):", r["output_throughput"])
+    line("Total Token throughput (tok/s):", r["total_token_throughput"])
+    for key, name, title in (("ttft", "TTFT", "Time to First Token"),
+                             ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+                             ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency")):
+        section(title)
+        line(f"Mean {name} (ms):", r[f"mean_{key}_ms"])
+        line(f"Median {name} (ms):", r[f"median_{key}_ms"])
+        line(f"P99 {name} (ms):", r[f"p99_{key}_ms"])
+    section("Kiln execute service")
+    line("GPU busy (forward time / wall) (%):", 100 * r["gpu_busy"], ".1f")
+    if r["typical_step"]:
+        batch, ms = r["typical_step"]
+        line(f"Median step at batch {batch} (ms):", ms)
+    if "event_loop_cpu_ms_per_token" in r:
+        line("Event-loop CPU per output token (ms):", r["event_loop_cpu_ms_per_token"], ".4f")
+        line("Other threads' CPU per output token (ms):", r["other_threads_cpu_ms_per_token"], ".4f")
+    section("", "=")
+
+
+async def sweep(address: str, model: str, prompts: list[list[int]], args, exec_pid: int | None) -> list[dict]:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = exec_pb2_grpc.ExecServiceStub(channel)
+        await send_all(stub, model, prompts[:8], 8, [0.0] * min(8, len(prompts)))  # warm-up
+        return [await run_rate(stub, model, prompts, args, rate, exec_pid) for rate in args.request_rate]
 
 
 async def kiln_run(args, prompts, tmp: Path) -> dict:
@@ -61,7 +198,7 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
     try:
         services.start(300)
         spec = common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype)
-        config = common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=args.max_num_batched_tokens)
+        config = common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
         async with grpc.aio.insecure_channel(services.compile.address, options=CHANNEL_OPTIONS) as channel:
             started = time.perf_counter()
             async for _ in compile_pb2_grpc.CompileServiceStub(channel).Compile(
@@ -77,16 +214,11 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             await stub.UnloadModel(exec_pb2.UnloadModelRequest(name="bench"))
             print("LoadModel (bundle in the execute service's cache):")
             second = await load(stub, request)
-            await generate_all(stub, "bench", prompts[:8], 8)  # warm-up
-            await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(reset=True))
-            throughput = await generate_all(stub, "bench", prompts, args.output_len)
-            stats = await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="bench"))
-            await stub.UnloadModel(exec_pb2.UnloadModelRequest(name="bench"))
+        rates = await sweep(services.exec.address, "bench", prompts, args, services.exec.process.pid)
         services.stop()
     finally:
         services.cleanup()
-    return {"cold_compile_s": cold_compile_s, "first_load": first, "second_load": second, "throughput": throughput,
-            "forward_stats": [(s.batch_size, s.count, round(s.median_ms, 2)) for s in stats.stats]}
+    return {"cold_compile_s": cold_compile_s, "first_load": first, "second_load": second, "rates": rates}
 
 
 def hf_run(args, prompts) -> dict:
@@ -113,55 +245,128 @@ def hf_run(args, prompts) -> dict:
     return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall}
 
 
+RATE_COLUMNS = ["request_rate", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                "median_e2el_ms", "p99_e2el_ms", "gpu_busy", "event_loop_cpu_ms_per_token",
+                "other_threads_cpu_ms_per_token"]
+
+
+def print_rate_table(rates: list[dict]) -> None:
+    print("| request rate (req/s) | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms "
+          "| E2E p99 ms | GPU busy | event loop CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rates:
+        cpu = r.get("event_loop_cpu_ms_per_token")
+        print(f"| {r['request_rate']:g} | {r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | "
+              f"{r['p99_ttft_ms']:.1f} | {r['median_itl_ms']:.2f} | {r['p99_itl_ms']:.2f} | "
+              f"{r['median_e2el_ms']:.0f} | {r['p99_e2el_ms']:.0f} | {100 * r['gpu_busy']:.0f}% | "
+              f"{'-' if cpu is None else f'{cpu:.4f}'} |")
+
+
+def write_rates(rates: list[dict], stem: Path, title: str) -> None:
+    """The per-rate figures as CSV, and TTFT and ITL (p50, p99) against the rate as a PNG when matplotlib is here."""
+    csv_path = stem.with_name(stem.name + "_rates.csv")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, RATE_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rates)
+    print(f"wrote {csv_path}")
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no PNG; plot the CSV above")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [r["request_rate"] for r in rates if not math.isinf(r["request_rate"])]
+    inf_at = 2 * max(finite) if finite else 1.0  # "inf" sits one doubling right of the highest finite rate
+    xs = [inf_at if math.isinf(r["request_rate"]) else r["request_rate"] for r in rates]
+    fig, (ttft_ax, itl_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((ttft_ax, "ttft", "TTFT (ms)"), (itl_ax, "itl", "inter-token latency (ms)")):
+        ax.plot(xs, [r[f"median_{key}_ms"] for r in rates], marker="o", label="p50")
+        ax.plot(xs, [r[f"p99_{key}_ms"] for r in rates], marker="o", linestyle="--", label="p99")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [("inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}") for r in rates])
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    png_path = stem.with_name(stem.name + "_rates.png")
+    fig.savefig(png_path, dpi=120)
+    print(f"wrote {png_path}")
+
+
+def parse_rates(text: str) -> list[float]:
+    return [float(r) for r in text.split(",")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
     p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--request-rate", type=parse_rates, default=[math.inf],
+                   help="comma-separated requests/s, Poisson arrivals; inf sends all at once (default: inf)")
     p.add_argument("--min-prompt", type=int, default=100)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exec-server", default="", help="a running execute service (default: start both locally)")
+    p.add_argument("--model", default="", help="with --exec-server: the name of a model loaded there")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--skip-hf", action="store_true")
     args = p.parse_args()
+    if bool(args.exec_server) != bool(args.model):
+        p.error("--exec-server and --model go together")
     rng = random.Random(args.seed)
     from kiln.model_spec import PRESETS
 
     vocab = PRESETS[args.preset]["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.requests)]
-    with tempfile.TemporaryDirectory() as tmp:
-        result = asyncio.run(kiln_run(args, prompts, Path(tmp)))
-    if not args.skip_hf:
+    if args.exec_server:
+        result = {"rates": asyncio.run(sweep(args.exec_server, args.model, prompts, args, None))}
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = asyncio.run(kiln_run(args, prompts, Path(tmp)))
+    if not args.skip_hf and not args.exec_server:
         try:
             result["hf"] = hf_run(args, prompts)
         except Exception as exc:  # noqa: BLE001 - the peer failing is a result to report, not a crash
             result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(result, indent=1))
+    workload = (f"{args.preset} {args.dtype}, {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
+                f"{args.output_len} output tokens each, greedy, {time.strftime('%Y-%m-%d')}")
+    print(f"\n{workload}")
+    if "first_load" in result:
+        print("| phase | first LoadModel s (download) | second LoadModel s (cached) |")
+        print("|---|---|---|")
+        for phase in result["second_load"]["phases"]:
+            print(f"| {phase} | {result['first_load']['phases'].get(phase, 0):.2f} | "
+                  f"{result['second_load']['phases'][phase]:.2f} |")
+        print()
+    print_rate_table(result["rates"])
+    saturated = max(result["rates"], key=lambda r: r["request_rate"])
+    hf = result.get("hf")
+    if hf is not None:
+        print("\n| system | output tokens | wall s | output tokens/s | vs transformers |")
+        print("|---|---|---|---|---|")
+        ratio = f"{saturated['output_throughput'] / hf['tokens_per_s']:.1f}x" if "tokens_per_s" in hf else "-"
+        print(f"| Kiln (gRPC, CUDA graphs), rate {saturated['request_rate']:g} | {saturated['output_tokens']} | "
+              f"{saturated['duration_s']:.1f} | {saturated['output_throughput']:.0f} | {ratio} |")
+        if "tokens_per_s" in hf:
+            print(f"| transformers generate_batch | {hf['output_tokens']} | {hf['wall_s']:.1f} | "
+                  f"{hf['tokens_per_s']:.0f} | 1.0x |")
+        else:
+            print(f"| transformers generate_batch | failed: {hf['error']} | | | |")
+    print(f"\nforward stats at rate {saturated['request_rate']:g}: {saturated['forward_stats']}")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1))
-    k, hf = result["throughput"], result.get("hf", {})
-    print(f"\n{args.preset} {args.dtype}, {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
-          f"{args.output_len} output tokens each, greedy, {time.strftime('%Y-%m-%d')}")
-    print("| phase | first LoadModel s (download) | second LoadModel s (cached) |")
-    print("|---|---|---|")
-    for phase in result["second_load"]["phases"]:
-        print(f"| {phase} | {result['first_load']['phases'].get(phase, 0):.2f} | "
-              f"{result['second_load']['phases'][phase]:.2f} |")
-    print("\n| system | output tokens | wall s | output tokens/s | vs transformers |")
-    print("|---|---|---|---|---|")
-    ratio = f"{k['tokens_per_s'] / hf['tokens_per_s']:.1f}x" if "tokens_per_s" in hf else "-"
-    print(f"| Kiln (gRPC, CUDA graphs) | {k['output_tokens']} | {k['wall_s']:.1f} | {k['tokens_per_s']:.0f} "
-          f"| {ratio} |")
-    if "tokens_per_s" in hf:
-        print(f"| transformers generate_batch | {hf['output_tokens']} | {hf['wall_s']:.1f} | {hf['tokens_per_s']:.0f} "
-              f"| 1.0x |")
-    else:
-        print(f"| transformers generate_batch | failed: {hf.get('error', 'skipped')} | | | |")
-    print(f"\nforward stats {result['forward_stats']}")
+        write_rates(result["rates"], args.json_out.with_suffix(""), workload)
 
 
 if __name__ == "__main__":

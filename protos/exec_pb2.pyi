@@ -228,7 +228,7 @@ class GetForwardStatsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class BatchSizeStats(_message.Message):
-    __slots__ = ("model", "batch_size", "count", "median_ms", "p90_ms", "p99_ms", "runtime_mode")
+    __slots__ = ("model", "batch_size", "count", "median_ms", "p90_ms", "p99_ms", "runtime_mode", "total_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class BatchSizeStats(_message.Message):
     P90_MS_FIELD_NUMBER: _ClassVar[int]
     P99_MS_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_MODE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     batch_size: int
     count: int
@@ -243,7 +244,8 @@ class BatchSizeStats(_message.Message):
     p90_ms: float
     p99_ms: float
     runtime_mode: str
-    def __init__(self, model: _Optional[str] = ..., batch_size: _Optional[int] = ..., count: _Optional[int] = ..., median_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., runtime_mode: _Optional[str] = ...) -> None: ...
+    total_ms: float
+    def __init__(self, model: _Optional[str] = ..., batch_size: _Optional[int] = ..., count: _Optional[int] = ..., median_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., runtime_mode: _Optional[str] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GetForwardStatsResponse(_message.Message):
     __slots__ = ("stats",)

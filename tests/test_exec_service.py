@@ -373,6 +373,8 @@ def test_forward_stats(exec_stub, tiny_loaded):
     generate(exec_stub, "tiny", [1, 2, 3], max_tokens=4)
     stats = exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny")).stats
     assert stats and all(s.model == "tiny" and s.count >= 1 and s.median_ms > 0 for s in stats)
+    # The sum over every step: what the serving bench divides by wall time for the GPU's busy fraction.
+    assert all(s.median_ms <= s.total_ms <= s.count * s.p99_ms + 1e-3 for s in stats)  # p99 is the max below 100
     assert {s.runtime_mode for s in stats} == {"compiled"}
     exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny", reset=True))
     assert not exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny")).stats

@@ -43,5 +43,5 @@ def generate_response(output: RequestOutput, text: str) -> exec_pb2.GenerateResp
 def forward_stats_response(stats: list[BatchSizeStat]) -> exec_pb2.GetForwardStatsResponse:
     return exec_pb2.GetForwardStatsResponse(stats=[
         exec_pb2.BatchSizeStats(model=s.model, batch_size=s.batch_size, count=s.count, median_ms=s.median_ms,
-                                p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode)
+                                p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode, total_ms=s.total_ms)
         for s in stats])

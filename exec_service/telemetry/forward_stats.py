@@ -24,11 +24,13 @@ class BatchSizeStat:
     p90_ms: float
     p99_ms: float
     runtime_mode: str
+    total_ms: float  # every step of this size, not only the samples kept
 
 
 class _Series:
     def __init__(self):
         self.count = 0
+        self.total_ms = 0.0
         self.samples: deque[float] = deque(maxlen=SAMPLES_KEPT)
         self.runtime_mode = ""
 
@@ -51,6 +53,7 @@ class ForwardStats:
         with self._lock:
             series = self._series[(model, batch_size)]
             series.count += 1
+            series.total_ms += ms
             series.samples.append(ms)
             series.runtime_mode = runtime_mode
 
@@ -64,7 +67,8 @@ class ForwardStats:
                 out.append(BatchSizeStat(
                     model=key[0], batch_size=key[1], count=series.count,
                     median_ms=round(statistics.median(ordered), 3), p90_ms=round(_percentile(ordered, 0.9), 3),
-                    p99_ms=round(_percentile(ordered, 0.99), 3), runtime_mode=series.runtime_mode))
+                    p99_ms=round(_percentile(ordered, 0.99), 3), runtime_mode=series.runtime_mode,
+                    total_ms=round(series.total_ms, 3)))
                 if reset:
                     del self._series[key]
             return out

@@ -1,0 +1,42 @@
+"""`bench/serving.py --request-rate` against the session's real execute service: vLLM's result block per rate, the
+per-rate CSV, and figures that hang together."""
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_serving_bench_reports_each_rate_as_vllm_does(exec_server, tiny_loaded, tmp_path):
+    out = tmp_path / "serving.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/serving.py", "--exec-server", exec_server.address, "--model", "tiny", "--preset",
+         "tiny-llama", "--requests", "12", "--request-rate", "40,inf", "--min-prompt", "4", "--max-prompt", "40",
+         "--output-len", "6", "--json-out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    blocks = proc.stdout.split("Traffic request rate: ")[1:]
+    assert [b.splitlines()[0] for b in blocks] == ["40.0", "inf"]
+    for block in blocks:
+        for label in ("Successful requests:", "Total generated tokens:", "Output token throughput (tok/s):",
+                      "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):", "Median ITL (ms):", "P99 ITL (ms):",
+                      "P99 E2EL (ms):", "GPU busy (forward time / wall) (%):"):
+            assert re.search(rf"^{re.escape(label)} +[\d.]+ *$", block, re.M), (label, block)
+        assert re.search(r"^Successful requests: +12 *$", block, re.M)
+        assert re.search(r"^Total generated tokens: +72 *$", block, re.M)
+
+    rates = json.loads(out.read_text())["rates"]
+    for r in rates:
+        assert r["completed"] == 12 and r["output_tokens"] == 72
+        assert 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2el_ms"]
+        assert 0 < r["median_itl_ms"] <= r["p99_itl_ms"] and 0 < r["gpu_busy"] <= 1
+        assert r["output_throughput"] == r["output_tokens"] / r["duration_s"]
+    with open(tmp_path / "serving_rates.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["request_rate"] for row in rows] == ["40.0", "inf"]
+    assert float(rows[1]["output_throughput"]) == rates[1]["output_throughput"]
+    assert "| request rate (req/s) | output tok/s | TTFT p50 ms" in proc.stdout
