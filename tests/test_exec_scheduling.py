@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from exec_service.engine.block_manager import BlockManager
-from exec_service.engine.sampler import SamplingTensors, sample
+from exec_service.engine.sampler import SamplingTensors, sample, unit_interval
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from exec_service.engine.step_inputs import StepBuffers
@@ -253,6 +253,13 @@ def test_sampled_tokens_follow_the_softmax_at_the_temperature(logits):
     chi2 = ((observed[kept] - expected[kept]) ** 2 / expected[kept]).sum().item()
     assert chi2 < 2 * int(kept.sum())  # ~ the degrees of freedom; a biased sampler lands far above
     assert observed[~kept].sum() < 5 * max(1, int((~kept).sum()))
+
+
+def test_the_noise_never_reaches_zero_or_one():
+    """The extreme hashes map strictly inside (0, 1), so every token's Gumbel noise is finite."""
+    extremes = unit_interval(torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 1]))
+    assert extremes.min() > 0 and extremes.max() < 1
+    assert torch.isfinite(extremes.log().neg().log().neg()).all()
 
 
 def test_a_seeded_request_samples_the_same_whatever_shares_its_step(logits):

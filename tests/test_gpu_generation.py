@@ -1,14 +1,20 @@
 """On a CUDA device, through the real servers: greedy output equals transformers' own generate (float32 exactly,
-bfloat16 for the first 16 tokens), and CUDA-graph replay gives the same tokens as the compiled function."""
+bfloat16 for the first 16 tokens), CUDA-graph replay gives the same tokens as the compiled function, and the
+overlapped engine keeps 64 concurrent streams (cancelled, preempted, prefilled in chunks) equal to each run alone."""
 
+import dataclasses
 import json
+import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
 from conftest import BackgroundServer
+from test_engine import STREAMS, model_info, run_stream, stream_cases, wait_until
 
+from exec_service.engine.sampler import counter_uniform
 from kiln.grpc_server import CHANNEL_OPTIONS
 from kiln.model import build_model
 from kiln.model_spec import resolve
@@ -25,7 +31,13 @@ SEED = 11
 
 
 @pytest.fixture(scope="module")
-def gpu_servers(tmp_path_factory, signer, trusted_keys):
+def gpu_steps() -> list:
+    """Every engine step of the module's exec server, as its step observers see them."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def gpu_servers(tmp_path_factory, signer, trusted_keys, gpu_steps):
     from compile_service.server import start_compile_server
     from exec_service.server import ExecServerSettings, start_exec_server
 
@@ -33,7 +45,7 @@ def gpu_servers(tmp_path_factory, signer, trusted_keys):
                                                                    signer=signer))
     settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
                                   cache_dir=tmp_path_factory.mktemp("cache"))
-    exec_server = BackgroundServer(lambda: start_exec_server(settings))
+    exec_server = BackgroundServer(lambda: start_exec_server(settings, step_observers=[gpu_steps.append]))
     channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
     yield exec_pb2_grpc.ExecServiceStub(channel)
     channel.close()
@@ -94,3 +106,50 @@ def test_graph_replay_equals_compiled_without_graphs(gpu_servers):
     assert graphed == compiled
     stats = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="small-graphed")).stats
     assert any(s.runtime_mode == "cudagraph" for s in stats)
+
+
+def test_concurrent_streams_with_cuda_graphs_equal_each_request_run_alone(gpu_servers, gpu_steps):
+    """tests/test_engine.py's 64-stream harness on the GPU: CUDA graphs, Triton kernels, pinned step buffers and
+    the overlapped engine; float32, so batch composition cannot flip a greedy choice."""
+    stub, model = gpu_servers, "small-streams"
+    blocks = 40  # of 16 tokens, 128 KiB each for this model in float32: the streams need several times that
+    events = list(stub.LoadModel(exec_pb2.LoadModelRequest(
+        name=model, model=_spec("float32"), config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256),
+        weights_seed=SEED, max_model_len=512, max_num_seqs=64, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH,
+        kv_cache_bytes=blocks * 131072, max_num_batched_tokens=64)))
+    assert events[-1].ready.num_kv_blocks == blocks
+    cases = stream_cases(random.Random(13))
+    first_step = len(gpu_steps)
+    start = threading.Barrier(STREAMS)
+    with ThreadPoolExecutor(STREAMS) as pool:
+        together = list(pool.map(lambda c: run_stream(stub, model, c, start), cases))
+    steps = [r for r in gpu_steps[first_step:] if r.model == model]
+    alone = [run_stream(stub, model, dataclasses.replace(c, cancel_after=None)) for c in cases]
+    for case, (tokens, last), (expected, alone_last) in zip(cases, together, alone, strict=True):
+        if last is None:
+            assert tokens == expected[:len(tokens)], case
+        else:
+            assert tokens == expected and last.finish_reason == alone_last.finish_reason, case
+    assert sum(last.usage.num_preemptions for _, last in together if last is not None) > 0
+    assert {"cudagraph", "compiled"} <= {r.runtime_mode for r in steps} and "mixed" in {r.phase for r in steps}
+    wait_until(lambda: model_info(stub, model).num_free_blocks == blocks)
+    stub.UnloadModel(exec_pb2.UnloadModelRequest(name=model))
+
+
+def test_forward_times_of_overlapped_steps_follow_each_other_on_the_wall_clock(gpu_servers, gpu_steps):
+    """Steps are launched before the one ahead has run; each forward's start is placed from the device's timing of
+    the step before, so consecutive forwards neither overlap nor start before their launch."""
+    first_step = len(gpu_steps)
+    _kiln_tokens(gpu_servers, "small-timed", "float32", exec_pb2.RUNTIME_MODE_CUDAGRAPH)
+    steps = [r for r in gpu_steps[first_step:] if r.model == "small-timed"]
+    assert len(steps) > MAX_TOKENS
+    for before, after in zip(steps, steps[1:], strict=False):
+        assert after.start_ns >= before.end_ns - 20_000, (before, after)  # 20 us of event-timer resolution
+
+
+def test_counter_noise_is_the_same_on_the_gpu_as_on_the_cpu():
+    """The sampler's noise is integer arithmetic: a seed samples the same tokens on either device."""
+    seeds = torch.tensor([0, 1, -7, 2**62 + 5, 123456789])
+    positions = torch.tensor([0, 17, 5, 4000, 1])
+    on_cpu = counter_uniform(seeds, positions, 32000)
+    assert torch.equal(counter_uniform(seeds.cuda(), positions.cuda(), 32000).cpu(), on_cpu)

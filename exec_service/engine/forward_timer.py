@@ -1,4 +1,10 @@
-"""Times one forward without adding a sync: CUDA events on GPU, read after the step's own sync; host clock on CPU."""
+"""Times one forward without adding a sync: CUDA events on GPU, read after the step's own sync; host clock on CPU.
+
+The engine launches a step while the one before it still runs, so on a GPU the host clock at launch is not when the
+forward starts. The start is put on the wall clock through the previous step's: the start events of consecutive
+steps are timed on the device. It is the launch time when the device had nothing queued at launch (the first step,
+or after the engine idled), and never earlier than the launch.
+"""
 
 import time
 
@@ -6,17 +12,20 @@ import torch
 
 
 class ForwardTimer:
-    """``with ForwardTimer(device) as t: forward()``; then, once the step has synced, ``t.elapsed_ms()``."""
+    """``with ForwardTimer(device, previous, device_idle) as t: forward()``; once the step has synced,
+    ``t.start_ns`` and ``t.elapsed_ms()``."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, previous: "ForwardTimer | None" = None, device_idle: bool = True):
         self.cuda = device == "cuda"
-        self.start_ns = 0  # wall clock at launch, for spans
+        self.launch_ns = 0  # wall clock when the host launched the forward
+        self._previous = None if device_idle else previous
+        self._start_ns: int | None = None
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda \
             else None
         self._host_ns = (0, 0)
 
     def __enter__(self) -> "ForwardTimer":
-        self.start_ns = time.time_ns()
+        self.launch_ns = time.time_ns()
         if self.cuda:
             self._events[0].record()
         else:
@@ -29,9 +38,20 @@ class ForwardTimer:
         else:
             self._host_ns = (self._host_ns[0], time.perf_counter_ns())
 
+    @property
+    def start_ns(self) -> int:
+        """The forward's start on the wall clock; on CUDA only valid after the step synced, and after the previous
+        step's was read (the engine reads steps in order)."""
+        if self._start_ns is None:
+            self._start_ns = self.launch_ns
+            if self._previous is not None:
+                gap_ms = self._previous._events[0].elapsed_time(self._events[0])
+                self._start_ns = max(self.launch_ns, self._previous.start_ns + int(gap_ms * 1e6))
+                self._previous = None  # the chain ends here: nothing keeps old steps' events alive
+        return self._start_ns
+
     def elapsed_ms(self) -> float:
         """The forward's device time; on CUDA only valid after the stream passed the end event (the step synced)."""
         if self.cuda:
             return self._events[0].elapsed_time(self._events[1])
         return (self._host_ns[1] - self._host_ns[0]) / 1e6
-

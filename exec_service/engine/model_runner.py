@@ -51,6 +51,10 @@ class LaunchedStep:
             self.ready.synchronize()
         return self.host.tolist()
 
+    def done(self) -> bool:
+        """Whether the device has finished the step (it has on CPU, where steps run as they are launched)."""
+        return self.ready is None or self.ready.query()
+
 
 class ModelRunner:
     def __init__(self, resolved: ResolvedModel, config: EngineConfig):
@@ -136,7 +140,9 @@ class ModelRunner:
         padded = self.cudagraphs.padded_size(batch.num_seqs, batch.is_decode_only) if self.cudagraphs else None
         inputs, parity = self.buffers.prepare(batch, padded, previous.sampled if previous else None,
                                               previous.rows if previous else None)
-        with ForwardTimer(self.device) as timer:
+        timer = ForwardTimer(self.device, previous.timer if previous else None,
+                             device_idle=previous is None or previous.done())
+        with timer:
             if padded is not None:
                 hidden = self.cudagraphs.replay(padded)
             else:

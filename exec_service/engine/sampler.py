@@ -52,8 +52,13 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: in
     key = _mix32(key ^ (seeds & _MASK32))
     key = _mix32(key ^ (positions & _MASK32))
     tokens = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) ^ _TOKEN_SALT)
-    bits = _mix32(key[:, None] ^ tokens[None, :])
-    return (bits >> 8).to(torch.float32).add_(0.5).mul_(2.0**-24)
+    return unit_interval(_mix32(key[:, None] ^ tokens[None, :]))
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 in [2**-24, 1 - 2**-24]: 23 bits, each value exact in float32 (24 bits would round
+    the largest to 1.0, whose Gumbel noise is infinite)."""
+    return (bits >> 9).to(torch.float32).add_(0.5).mul_(2.0**-23)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
