@@ -3,9 +3,8 @@
 A decode-only step of n sequences replays the graph of the smallest captured size >= n. The graphs read the model's
 step buffers (``StepBuffers``), which every step fills in place, so a replay copies nothing: the padding rows have
 slot -1 (the KV write skips them) and sequence length 0 (attention returns zeros for them), and the first n rows of
-the static output are the step's hidden states. The attention
-kernels read lengths and block tables on the device, so one capture serves every context length. CUDA only: on
-CPU the runner calls the compiled function directly.
+the static output are the step's hidden states. The attention kernels read lengths and block tables on the device,
+so one capture serves every context length. CUDA only: on CPU the runner calls the compiled function directly.
 """
 
 import logging
