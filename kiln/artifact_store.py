@@ -1,10 +1,27 @@
-"""Where bundles live: a small store interface and its filesystem backend (the embedded default).
+"""Where bundles live: the narrow store interface, and its filesystem backend (the embedded default).
 
-Writes are atomic (a staging directory renamed into place); a bundle that fails its sha256 check is removed and
-reported missing, so it is recompiled, never served. The compile service's store signs what it commits and, on a
-read, takes as present only a bundle signed by a key it trusts: whoever else can write the directory can plant
-bytes there but not a hit. Another backend (object store, Redis) is one more class with the methods of
-ArtifactStore.
+The interface (ArtifactStore) is what the compile pipeline, the compile service's RPCs and the bundle fetcher use,
+and nothing more. A bundle is a local directory once a caller holds it (a pickle is loaded from a file, and its
+sha256s and signature are checked on that copy), so a remote backend keeps verified local copies:
+
+- ``location``: where the store is, for messages and spans (a path, ``redis://host:port/db``); never a password.
+- ``lock(key)``: single flight for one key across every process on the store (a file lock here, a fenced lease
+  in Redis); ``commit`` of that key happens inside it.
+- ``get(key) -> Path | None``: the committed bundle as a verified local directory, or None when there is none
+  (a corrupt one is removed and reported missing by a writer, so it is rebuilt; a reader refuses it).
+- ``staging_dir()`` / ``commit(key, staged)`` / ``discard(staged)``: build a bundle in a local directory, then
+  publish it atomically (readers see the whole bundle or none of it), or throw it away.
+- ``list()``: every committed bundle's manifest and last-used time (ListArtifacts); ``delete(key)``: bytes freed.
+
+Writes are atomic; the compile service's store signs what it commits and, on a read, takes as present only a
+bundle signed by a key it trusts: whoever else can write the store can plant bytes there but not a hit.
+
+RedisStore (kiln/redis_store.py) is the second backend. An object store (S3 and the like) would be one more class
+of the same methods: files uploaded as objects under a fresh prefix ``<key>/<generation>/``, then a small
+``<key>/current`` object naming that generation, manifest and signature written last with a conditional write
+(If-Match on the previous version) as the commit point; ``lock`` a lease object created with If-None-Match and a
+fencing number checked in that conditional write; ``list`` a listing of ``*/current``; ``get`` a download into the
+same local copies RedisStore keeps.
 """
 
 import fcntl
@@ -44,12 +61,13 @@ def check_key(digest: str) -> None:
 @dataclass
 class StoredArtifact:
     manifest: Manifest
-    path: Path
     last_used_unix: float
 
 
 class ArtifactStore(Protocol):
-    """What the compile pipeline and the bundle fetcher need of a store."""
+    """What the compile pipeline, the compile service and the bundle fetcher need of a store (see above)."""
+
+    location: str
 
     def lock(self, key: str) -> AbstractContextManager[None]: ...
     def get(self, key: str) -> Path | None: ...
@@ -72,6 +90,7 @@ class FilesystemStore:
     def __init__(self, root: Path | str, signer: Signer | None = None, trusted: TrustedKeys | None = None,
                  verify: bool = True):
         self.root = Path(root).expanduser()
+        self.location = str(self.root)
         self.signer = signer
         self.trusted = trusted
         self.verify = verify
@@ -140,8 +159,9 @@ class FilesystemStore:
     def staging_dir(self) -> Path:
         return Path(tempfile.mkdtemp(dir=self.root / ".staging"))
 
-    def commit(self, key: str, staged: Path) -> Path:
-        """Move a fully written staging directory into place (atomic rename on one filesystem)."""
+    def commit(self, key: str, staged: Path, verified: bool = False) -> Path:
+        """Move a fully written staging directory into place (atomic rename on one filesystem). ``verified``: the
+        caller checked every file against the manifest as it wrote it, so the next get need not hash it again."""
         target = self.path(key)
         if self.signer is not None:
             bundle.sign(staged, self.signer)
@@ -149,6 +169,10 @@ class FilesystemStore:
             self._remove(target)
         os.rename(staged, target)
         self.touch(key)
+        if verified:
+            self._verified[key] = self._stamp(target)
+        else:
+            self._verified.pop(key, None)
         return target
 
     def discard(self, staged: Path) -> None:
@@ -164,7 +188,7 @@ class FilesystemStore:
             except CorruptBundle:
                 continue
             last_used = (path / _LAST_USED).stat().st_mtime if (path / _LAST_USED).exists() else manifest.created_unix
-            out.append(StoredArtifact(manifest, path, last_used))
+            out.append(StoredArtifact(manifest, last_used))
         return out
 
     def delete(self, key: str) -> int:

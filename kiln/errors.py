@@ -41,6 +41,12 @@ class Unavailable(KilnError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DataLoss(KilnError):
+    """Stored bytes that are not what their manifest says: refused, never loaded."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class Internal(KilnError):
     code = grpc.StatusCode.INTERNAL
 
