@@ -1,6 +1,7 @@
 """The compile pipeline: key -> (store hit | trace, split, Inductor per piece and size, save) -> bundle.
 
-Identical requests serialize on the key's lock, so the second one waits and gets a hit. Compiles of different
+Identical requests serialize on the key's lock (a file lock, or a lease in Redis across compile services), so the
+second one waits and gets a hit. Compiles of different
 keys run one at a time in the process: Dynamo's state is global.
 """
 
@@ -17,7 +18,7 @@ from compile_service.piecewise_backend import PiecewiseBackend
 from kiln import bundle, cache_key
 from kiln.artifact_store import ArtifactStore
 from kiln.compile_config import CompileConfig
-from kiln.errors import Internal, first_line
+from kiln.errors import Internal, KilnError, first_line
 from kiln.model import build_model
 from kiln.model_spec import ResolvedModel
 from tracing import spans
@@ -69,6 +70,9 @@ def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: Artifact
             with _compile_lock:
                 manifest = _compile_into(staged, key, factors, model, config, progress)
             store.commit(key, staged)
+        except KilnError:  # the store's own refusal (unreachable, lease lost): its status, not INTERNAL
+            store.discard(staged)
+            raise
         except Exception as exc:
             store.discard(staged)
             log.exception("compile %s failed", model.name)

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from compile_service.pipeline import CompileOutcome, compile_model
 from kiln import bundle
-from kiln.artifact_store import FilesystemStore, check_key
+from kiln.artifact_store import ArtifactStore, check_key
 from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument, NotFound
 from kiln.grpc_server import UNGUARDED, ProgressEvents, Server, ServerSecurity, is_loopback, status_errors
 from kiln.model_roots import ModelRoots
 from kiln.model_spec import resolve
 from kiln.signing import Signer, TrustedKeys
+from kiln.store_location import open_store
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -22,10 +23,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = compile_pb2.DESCRIPTOR.services_by_name["CompileService"].full_name
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 4 << 20
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kiln" / "compile-cache"
 
 
 class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
-    def __init__(self, store: FilesystemStore, roots: ModelRoots):
+    def __init__(self, store: ArtifactStore, roots: ModelRoots):
         self.store = store
         self.roots = roots
 
@@ -95,20 +97,23 @@ def _result(outcome: CompileOutcome) -> compile_pb2.CompileResult:
         num_splits=outcome.num_splits)
 
 
-async def start_compile_server(store_dir: str | Path, address: str, interceptors=(), *, signer: Signer,
+async def start_compile_server(store: str | Path, address: str, interceptors=(), *, signer: Signer,
                                trusted: TrustedKeys | None = None, security: ServerSecurity = UNGUARDED,
-                               model_roots=()) -> tuple[Server, int]:
+                               model_roots=(), cache_dir: str | Path = DEFAULT_CACHE_DIR,
+                               lease_s: float | None = None) -> tuple[Server, int]:
     """Build, bind and start; returns the server and its port (address may say port 0).
 
+    ``store`` is a directory or ``redis://...``; a Redis store keeps verified local copies of its bundles in
+    ``cache_dir`` and holds a lease of ``lease_s`` seconds (renewed while it compiles) on each key it compiles.
     Every bundle committed is signed with ``signer``; a bundle in the store counts as present only when it verifies
     against the signer's own key or one of ``trusted`` (a rotated-out key whose bundles are still good).
     """
     trusted = (trusted or TrustedKeys([])).with_key(signer.public_key)
-    store = FilesystemStore(store_dir, signer=signer, trusted=trusted)
+    bundles = open_store(store, cache_dir, lease_s=lease_s, signer=signer, trusted=trusted)
     roots = ModelRoots.for_server(model_roots, loopback=is_loopback(address))
     server = Server([SERVICE_NAME], interceptors, security)
-    compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(store, roots), server.server)
+    compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(bundles, roots), server.server)
     port = await server.start(address)
     log.info("compile service listening on %s (port %d), store %s, signing as %s, model roots: %s", address, port,
-             store_dir, signer.key_id, roots.describe())
+             bundles.location, signer.key_id, roots.describe())
     return server, port

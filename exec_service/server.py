@@ -11,12 +11,12 @@ from exec_service.api.servicer import SERVICE_NAME, ExecServicer
 from exec_service.startup.fetch import BundleFetcher
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
 from kiln import bundle
-from kiln.artifact_store import FilesystemStore
 from kiln.client_security import PLAINTEXT, ClientSecurity
 from kiln.grpc_server import CHANNEL_OPTIONS, UNGUARDED, Server, ServerSecurity, is_loopback
 from kiln.model_roots import ModelRoots
 from kiln.signing import TrustedKeys
 from kiln.step_record import StepObserver
+from kiln.store_location import open_store
 from protos import exec_pb2_grpc
 from tracing.grpc_instrumentation import instrumented_channel, server_interceptors
 from tracing.setup import installed_telemetry
@@ -30,15 +30,16 @@ DEFAULT_CACHE_DIR = os.environ.get("KILN_EXEC_CACHE", str(Path.home() / ".cache"
 class ExecServerSettings:
     """Where the execute service listens and where its bundles come from.
 
-    With ``store_dir`` (a store shared with the compile service) bundles are read in place; otherwise they are
-    downloaded from the compile service at ``compile_address`` into ``cache_dir`` once and reused; either way only
-    a bundle signed by one of ``trusted`` is loaded.
+    With ``store`` (shared with the compile services: a directory read in place, or ``redis://...`` copied into
+    ``cache_dir`` on first use) bundles come from there first and from the compile service at ``compile_address``
+    only on a miss; without one they are downloaded from the compile service into ``cache_dir`` once and reused;
+    either way only a bundle signed by one of ``trusted`` is loaded.
     """
 
     address: str  # host:port; port 0 picks a free one
     trusted: TrustedKeys  # the public keys whose signatures make a bundle loadable
     compile_address: str | None = None
-    store_dir: str | Path | None = None
+    store: str | Path | None = None
     cache_dir: str | Path = DEFAULT_CACHE_DIR
     security: ServerSecurity = UNGUARDED  # TLS and tokens of this server
     client: ClientSecurity = PLAINTEXT  # how this server calls the compile service (TLS, token)
@@ -66,13 +67,16 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     run); ``step_observers`` hear every engine step besides the service's own (tests record them).
     """
     await asyncio.to_thread(bundle.preload_runtime)
-    # The fetcher verifies each bundle's signature and sha256s itself: the store only finds them.
-    store = FilesystemStore(settings.store_dir if settings.store_dir is not None else settings.cache_dir, verify=False)
+    shared = settings.store is not None
+    # The fetcher verifies each bundle's signature and sha256s itself: the store only finds them (Redis checks the
+    # sha256s of what it streams into its local copies). A replica only reads a shared store.
+    store = open_store(settings.store if shared else settings.cache_dir, settings.cache_dir, read_only=shared,
+                       verify=False)
     # Instrumented (once init_tracing ran): Compile and GetArtifact carry this trace to the compile service.
     client = settings.client
     channel = instrumented_channel(settings.compile_address, CHANNEL_OPTIONS, credentials=client.credentials(),
                                    interceptors=client.interceptors()) if settings.compile_address else None
-    fetcher = BundleFetcher(store, shared=settings.store_dir is not None, compile_channel=channel,
+    fetcher = BundleFetcher(store, shared=shared, compile_channel=channel,
                             trusted=settings.trusted)
     roots = ModelRoots.for_server(settings.model_roots, loopback=is_loopback(settings.address))
     server = ExecServer(ExecTelemetry(installed_telemetry(), step_observers), settings.security)
@@ -81,6 +85,6 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     port = await server.start(settings.address)
     log.info("exec service listening on %s (port %d), compile service %s, %s %s, trusting %s, model roots: %s",
              settings.address, port, settings.compile_address or "none",
-             "shared store" if settings.store_dir is not None else "cache", store.root,
+             "shared store" if shared else "cache", store.location,
              ", ".join(sorted(settings.trusted.keys)) or "no key", roots.describe())
     return server, port

@@ -16,7 +16,12 @@ DEFAULT_STORE = os.environ.get("KILN_STORE", str(Path.home() / ".cache" / "kiln"
 def register(subparsers) -> None:
     p = subparsers.add_parser("compile-server", help="run the compile service")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--store", default=DEFAULT_STORE, help="artifact store directory (default: %(default)s)")
+    p.add_argument("--store", default=DEFAULT_STORE,
+                   help="artifact store: a directory or redis://HOST:PORT/DB, rediss://... (default: %(default)s)")
+    p.add_argument("--cache", default=None,
+                   help="local copies of a Redis store's bundles (default: ~/.cache/kiln/compile-cache)")
+    p.add_argument("--lease-s", type=float, default=None,
+                   help="Redis store: seconds a compile's lease outlives a dead holder (default: 30)")
     p.add_argument("--signing-key", default=os.environ.get("KILN_SIGNING_KEY"),
                    help="Ed25519 private key every bundle is signed with (kiln keygen DIR writes one)")
     p.add_argument("--trusted-keys", default=os.environ.get("KILN_TRUSTED_KEYS"),
@@ -71,7 +76,7 @@ def compile_config(args) -> common_pb2.CompileConfig:
 
 
 def run_compile_server(args) -> int:
-    from compile_service.server import start_compile_server
+    from compile_service.server import DEFAULT_CACHE_DIR, start_compile_server
     from kiln.signing import Signer, TrustedKeys
     from tracing.grpc_instrumentation import server_interceptors
     from tracing.setup import init_tracing
@@ -88,7 +93,8 @@ def run_compile_server(args) -> int:
     try:
         serve_until_signal(lambda: start_compile_server(
             args.store, f"{args.host}:{args.port}", server_interceptors(), signer=signer, trusted=trusted,
-            security=security, model_roots=security_args.model_roots(args)))
+            security=security, model_roots=security_args.model_roots(args), cache_dir=args.cache or DEFAULT_CACHE_DIR,
+            lease_s=args.lease_s))
     finally:
         telemetry.shutdown()
     return 0

@@ -19,7 +19,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("exec-server", help="run the execute service")
     p.add_argument("--port", type=int, default=50052)
     p.add_argument("--compile-server", default="", help="compile service address; bundles are fetched from it")
-    p.add_argument("--store", default=None, help="an artifact store shared with the compile service, read in place")
+    p.add_argument("--store", default=None,
+                   help="a store shared with the compile services, read first: a directory or redis://HOST:PORT/DB")
     p.add_argument("--cache", default=None, help="downloaded bundles (default: ~/.cache/kiln/exec-cache)")
     p.add_argument("--trusted-keys", default=os.environ.get("KILN_TRUSTED_KEYS"),
                    help="public keys (a PEM file of one or more, or a directory of *.pub) whose signed bundles "

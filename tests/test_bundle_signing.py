@@ -52,7 +52,7 @@ def shared_exec(tamper_store, trusted_keys, tiny_key):
     """An execute service reading ``tamper_store`` in place (a shared store), trusting the session's signer only."""
     from exec_service.server import ExecServerSettings, start_exec_server
 
-    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, store_dir=tamper_store)
+    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, store=tamper_store)
     server = BackgroundServer(lambda: start_exec_server(settings))
     channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
     yield exec_pb2_grpc.ExecServiceStub(channel), channel

@@ -428,20 +428,21 @@ def test_concurrent_generates_on_two_models(exec_stub, tiny_loaded, hf_tiny):
 
 def test_shared_store_is_read_in_place(compile_store, tiny_key, tiny_loaded, tmp_path, trusted_keys):
     """A replica on the compile service's volume needs no compile service for a bundle that is there."""
-    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, store_dir=compile_store)
+    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, store=compile_store)
     server = BackgroundServer(lambda: start_exec_server(settings))
     try:
         with grpc.insecure_channel(server.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             events = load_model(stub, "tiny-shared")
             fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch")
-            assert fetch.detail == f"shared store, key {tiny_key}"
+            assert fetch.detail == f"shared store {compile_store}, key {tiny_key}"
             assert len(generate(stub, "tiny-shared", [1, 2, 3], max_tokens=2)[0]) == 2
             with pytest.raises(grpc.RpcError) as exc:  # not in the store, and nowhere to compile it
                 list(stub.LoadModel(exec_pb2.LoadModelRequest(
                     name="tiny-elsewhere", model=TINY_MODEL,
                     config=common_pb2.CompileConfig(device="cpu", max_num_batched_tokens=64))))
-            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "no compile service" in exc.value.details()
+            assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "no compile service" in exc.value.details() and f"in shared store {compile_store}" in \
+                exc.value.details()
     finally:
         server.stop()

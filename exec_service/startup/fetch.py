@@ -1,4 +1,6 @@
-"""Fetch a compiled bundle: from the local cache or a shared store, else Compile + GetArtifact on the compile service.
+"""Fetch a compiled bundle: from the local cache or a shared store (a directory or Redis), else Compile +
+GetArtifact on the compile service. A replica with a shared store and no compile service serves whatever the store
+holds.
 
 A bundle is only ever served after its manifest's signature verifies against a trusted key, its sha256s check out
 and its key factors match this process: an unsigned, unknown-signer or tampered bundle is refused with
@@ -15,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from kiln import bundle, cache_key
-from kiln.artifact_store import FilesystemStore, check_key
+from kiln.artifact_store import ArtifactStore, check_key
 from kiln.bundle import CorruptBundle, UntrustedBundle
 from kiln.compile_config import CompileConfig
 from kiln.errors import FailedPrecondition, Internal, KilnError, NotFound
@@ -41,7 +43,8 @@ class FetchedBundle:
     key: str
     path: Path
     factors: dict
-    source: str  # how it got here, for the startup log: "local cache", "shared store", "downloaded 1.2 MB"
+    # How it got here: "local cache", "shared store redis://...", "downloaded 1.2 MB from the compile service".
+    source: str
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -50,10 +53,10 @@ class FetchedBundle:
 
 
 class BundleFetcher:
-    """Bundles by key. ``store`` is a shared store (read in place) or this server's own download cache; ``trusted``
-    the keys whose signatures it accepts."""
+    """Bundles by key. ``store`` is a shared store (a directory read in place, or Redis copied into a local cache)
+    or this server's own download cache; ``trusted`` the keys whose signatures it accepts."""
 
-    def __init__(self, store: FilesystemStore, shared: bool, compile_channel: grpc.Channel | None,
+    def __init__(self, store: ArtifactStore, shared: bool, compile_channel: grpc.Channel | None,
                  trusted: TrustedKeys):
         self.store = store
         self.shared = shared
@@ -72,6 +75,9 @@ class BundleFetcher:
             path = self.store.get(digest)
         source = self._found_in
         if path is None:
+            if self.compile_stub is None:
+                raise NotFound(f"key: no bundle {digest} in {self._found_in}, and this exec server has no compile "
+                               f"service (--compile-server) to compile it")
             if key is None:
                 digest = self._compile(_wire_spec(spec, resolved), config, progress)
             path, source = self._get_or_download(digest, progress)
@@ -85,10 +91,10 @@ class BundleFetcher:
     @property
     def _found_in(self) -> str:
         """The source of a bundle that was already in ``store``."""
-        return "shared store" if self.shared else "local cache"
+        return f"shared store {self.store.location}" if self.shared else "local cache"
 
     def _compile(self, spec: common_pb2.ModelSpec, config: CompileConfig, progress: ProgressFn) -> str:
-        stub = self._stub()
+        stub = self.compile_stub
         request = compile_pb2.CompileRequest(model=spec, config=config.to_proto())
         result = None
         try:
@@ -115,15 +121,16 @@ class BundleFetcher:
             if path is not None:
                 return path, self._found_in
             if self.shared:
-                raise NotFound(f"key: no bundle {digest} in the shared store {self.store.root}")
+                raise NotFound(f"key: no bundle {digest} in the {self._found_in}: the compile service must use the "
+                               f"same store")
             size = self._download(digest, progress)
             path = self.store.get(digest)
             if path is None:
                 raise CorruptBundle(f"bundle {digest} failed verification after download")
-            return path, f"downloaded {size / 1e6:.2f} MB"
+            return path, f"downloaded {size / 1e6:.2f} MB from the compile service"
 
     def _download(self, digest: str, progress: ProgressFn) -> int:
-        stub = self._stub()
+        stub = self.compile_stub
         request = compile_pb2.GetArtifactRequest(key=common_pb2.ArtifactKey(digest=digest))
         header, chunks = None, []
         try:
@@ -158,12 +165,6 @@ class BundleFetcher:
             if not self.shared:
                 self.store.delete(digest)
             raise
-
-    def _stub(self) -> compile_pb2_grpc.CompileServiceStub:
-        if self.compile_stub is None:
-            raise FailedPrecondition("this exec server has no compile service (--compile-server) and the bundle "
-                                     "is not in its store")
-        return self.compile_stub
 
     @staticmethod
     def _read_factors(path: Path) -> dict:

@@ -6,6 +6,7 @@ loaded.
 """
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,8 @@ from protos import common_pb2
 from tracing import spans
 
 log = logging.getLogger(__name__)
+
+_DEVICE_PHASES = threading.Lock()
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -136,45 +139,50 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
     config = config.within_token_range(compiled_range)
     runner = ModelRunner(target.resolved, config)
 
-    with phases.phase(spans.LOAD_WEIGHTS) as (event, span):
-        runner.load_weights(target.weights, target.weights_seed)
-        tokenizer = _load_tokenizer(target)
-        event.detail = f"{runner.weights_bytes / 1e6:.1f} MB from {target.weights}"
-        span.set_attributes({spans.BYTES: runner.weights_bytes, spans.WEIGHTS: target.weights})
+    # One model at a time from here to the engine, per process: the memory profile measures the device's peak,
+    # which a concurrent load would inflate, and unpickling a bundle re-traces its FX graphs with nn.Module.__call__
+    # patched process-wide, which breaks a forward running beside it ("module is not installed as a submodule").
+    # Fetches (a compile on the compile service, a download) still overlap.
+    with _DEVICE_PHASES:
+        with phases.phase(spans.LOAD_WEIGHTS) as (event, span):
+            runner.load_weights(target.weights, target.weights_seed)
+            tokenizer = _load_tokenizer(target)
+            event.detail = f"{runner.weights_bytes / 1e6:.1f} MB from {target.weights}"
+            span.set_attributes({spans.BYTES: runner.weights_bytes, spans.WEIGHTS: target.weights})
 
-    with phases.phase(spans.PROFILE_MEMORY) as (event, span):
-        activation_peak = profile_memory(runner.token_model, config)
-        budget = kv_sizing.memory_budget(config, runner.weights_bytes, activation_peak)
-        kv_spec = runner.kv_cache_spec
-        runner.allocate_kv_cache(kv_sizing.num_blocks(budget, kv_spec, config.max_model_len))
-        event.detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {runner.num_blocks}"
-        span.set_attributes({spans.ACTIVATION_PEAK_BYTES: activation_peak, spans.NUM_KV_BLOCKS: runner.num_blocks,
-                             spans.KV_CACHE_BYTES: runner.num_blocks * kv_spec.block_bytes})
+        with phases.phase(spans.PROFILE_MEMORY) as (event, span):
+            activation_peak = profile_memory(runner.token_model, config)
+            budget = kv_sizing.memory_budget(config, runner.weights_bytes, activation_peak)
+            kv_spec = runner.kv_cache_spec
+            runner.allocate_kv_cache(kv_sizing.num_blocks(budget, kv_spec, config.max_model_len))
+            event.detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {runner.num_blocks}"
+            span.set_attributes({spans.ACTIVATION_PEAK_BYTES: activation_peak, spans.NUM_KV_BLOCKS: runner.num_blocks,
+                                 spans.KV_CACHE_BYTES: runner.num_blocks * kv_spec.block_bytes})
 
-    with phases.phase(spans.LOAD_COMPILED) as (event, span):
-        if fetched is None:
-            event.detail = "eager: the uncompiled model serves"
-        else:
-            runner.load_compiled(fetched.path, fetched.key, fetcher.trusted)
-            event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
-            span.set_attribute(spans.CACHE_KEY, fetched.key)
+        with phases.phase(spans.LOAD_COMPILED) as (event, span):
+            if fetched is None:
+                event.detail = "eager: the uncompiled model serves"
+            else:
+                runner.load_compiled(fetched.path, fetched.key, fetcher.trusted)
+                event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
+                span.set_attribute(spans.CACHE_KEY, fetched.key)
 
-    cudagraph_bytes = budget.cudagraph_reserve_bytes
-    with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
-        if config.runtime_mode == RuntimeMode.CUDAGRAPH:
-            def captured(size: int, done: int) -> None:
-                total = len(config.capture_sizes)
-                phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured batch size {size} ({done}/{total})")
-                span.add_event("captured", {spans.BATCH_SIZE: size})
+        cudagraph_bytes = budget.cudagraph_reserve_bytes
+        with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
+            if config.runtime_mode == RuntimeMode.CUDAGRAPH:
+                def captured(size: int, done: int) -> None:
+                    total = len(config.capture_sizes)
+                    phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured batch size {size} ({done}/{total})")
+                    span.add_event("captured", {spans.BATCH_SIZE: size})
 
-            seconds = runner.capture_cudagraphs(captured)
-            cudagraph_bytes = runner.cudagraphs.captured_bytes
-            event.detail = (f"Graph capturing finished in {seconds:.0f} secs, took "
-                            f"{cudagraph_bytes / (1 << 30):.2f} GiB")
-            span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes), spans.CAPTURE_SECONDS: seconds,
-                                 spans.BYTES: cudagraph_bytes})
-        else:
-            event.detail = f"skipped: runtime mode {config.runtime_mode}"
+                seconds = runner.capture_cudagraphs(captured)
+                cudagraph_bytes = runner.cudagraphs.captured_bytes
+                event.detail = (f"Graph capturing finished in {seconds:.0f} secs, took "
+                                f"{cudagraph_bytes / (1 << 30):.2f} GiB")
+                span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes), spans.CAPTURE_SECONDS: seconds,
+                                     spans.BYTES: cudagraph_bytes})
+            else:
+                event.detail = f"skipped: runtime mode {config.runtime_mode}"
 
     engine = Engine(target.name, runner, config, _eos_token_ids(target.resolved), step_observers)
     engine.start()
