@@ -17,7 +17,7 @@ from kiln.model_roots import ModelRoots
 from kiln.signing import TrustedKeys
 from kiln.step_record import StepObserver
 from kiln.store_location import open_store
-from protos import exec_pb2_grpc
+from protos import exec_pb2, exec_pb2_grpc
 from tracing.grpc_instrumentation import instrumented_channel, server_interceptors
 from tracing.setup import installed_telemetry
 
@@ -44,6 +44,7 @@ class ExecServerSettings:
     security: ServerSecurity = UNGUARDED  # TLS and tokens of this server
     client: ClientSecurity = PLAINTEXT  # how this server calls the compile service (TLS, token)
     model_roots: tuple[str | Path, ...] = ()  # the directories a request may name
+    preload: tuple[exec_pb2.LoadModelRequest, ...] = ()  # loaded at start (--load), in the background
 
 
 class ExecServer(Server):
@@ -80,11 +81,13 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
                             trusted=settings.trusted)
     roots = ModelRoots.for_server(settings.model_roots, loopback=is_loopback(settings.address))
     server = ExecServer(ExecTelemetry(installed_telemetry(), step_observers), settings.security)
-    exec_pb2_grpc.add_ExecServiceServicer_to_server(ExecServicer(server, fetcher, server.telemetry, roots),
-                                                    server.server)
+    servicer = ExecServicer(server, fetcher, server.telemetry, roots)
+    exec_pb2_grpc.add_ExecServiceServicer_to_server(servicer, server.server)
     port = await server.start(settings.address)
     log.info("exec service listening on %s (port %d), compile service %s, %s %s, trusting %s, model roots: %s",
              settings.address, port, settings.compile_address or "none",
              "shared store" if shared else "cache", store.location,
              ", ".join(sorted(settings.trusted.keys)) or "no key", roots.describe())
+    for request in settings.preload:
+        await servicer.preload(request)
     return server, port

@@ -1,9 +1,11 @@
 """``kiln exec-server``, ``kiln load``, ``kiln generate``, ``kiln models``, ``kiln unload`` and ``kiln stats``."""
 
+import argparse
 import os
 import sys
 
 import grpc
+from google.protobuf import json_format
 
 from kiln.grpc_server import serve_until_signal
 from kiln.runtime_mode import RuntimeMode
@@ -22,6 +24,9 @@ def register(subparsers) -> None:
     p.add_argument("--store", default=None,
                    help="a store shared with the compile services, read first: a directory or redis://HOST:PORT/DB")
     p.add_argument("--cache", default=None, help="downloaded bundles (default: ~/.cache/kiln/exec-cache)")
+    p.add_argument("--load", action="append", type=load_request_json, default=[], metavar="JSON",
+                   help="a LoadModelRequest as JSON, loaded at start (repeatable): what a replica serves without "
+                        "anyone calling LoadModel; its health turns SERVING once it is ready")
     p.add_argument("--trusted-keys", default=os.environ.get("KILN_TRUSTED_KEYS"),
                    help="public keys (a PEM file of one or more, or a directory of *.pub) whose signed bundles "
                         "may be loaded")
@@ -93,6 +98,14 @@ def _ints(text: str) -> list[int]:
     return [int(s) for s in text.split(",") if s.strip()]
 
 
+def load_request_json(text: str) -> exec_pb2.LoadModelRequest:
+    """``--load``: a LoadModelRequest in JSON, as grpcurl would send it."""
+    try:
+        return json_format.Parse(text, exec_pb2.LoadModelRequest())
+    except json_format.ParseError as exc:
+        raise argparse.ArgumentTypeError(f"not a LoadModelRequest: {exc}") from None
+
+
 def run_exec_server(args) -> int:
     from exec_service.server import DEFAULT_CACHE_DIR, ExecServerSettings, start_exec_server
     from kiln.signing import TrustedKeys
@@ -107,7 +120,8 @@ def run_exec_server(args) -> int:
     client = security_args.client_security(args)
     telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
     settings = ExecServerSettings(f"{args.host}:{args.port}", trusted, args.compile_server or None, args.store,
-                                  args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args))
+                                  args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args),
+                                  tuple(args.load))
     try:
         serve_until_signal(lambda: start_exec_server(settings))
     finally:

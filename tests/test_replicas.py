@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import TINY_CONFIG, TINY_MODEL, BackgroundServer, otel_env
+from google.protobuf import json_format
 from redis_server import RedisServer
 
 from kiln import bundle
@@ -291,3 +292,34 @@ def test_a_replica_streams_a_50_mb_bundle_from_redis_in_bounded_memory(cluster, 
     growth_mib = (after["VmHWM"] - before["VmRSS"]) / 1024
     assert (cluster.root / "replica3-cache" / big_key / "padding.bin").stat().st_size == 50 << 20
     assert growth_mib < 25, f"replica's peak RSS grew {growth_mib:.1f} MiB for a 50 MiB bundle"
+
+
+def test_a_replica_started_with_load_requests_serves_them_without_a_load_model_call(cluster, first_loads):
+    """``exec-server --load JSON``: the replica an autoscaler adds loads its models from the store by itself, and
+    each model's health entry (a per-model readiness probe) turns SERVING once it is ready."""
+    from exec_service.api.servicer import health_name
+    from exec_service.server import ExecServerSettings, start_exec_server
+    from kiln_cli.exec_commands import load_request_json
+    from kiln_cli.health_commands import check
+
+    wanted = load_request_json(json.dumps({"name": "tiny-preloaded", "model": {"preset": "tiny-llama"},
+                                           "config": json.loads(json_format.MessageToJson(TINY_CONFIG)),
+                                           "kvCacheBytes": str(SMALL_KV)}))
+    missing = exec_pb2.LoadModelRequest(name="tiny-not-there", model=TINY_MODEL, config=TAKEOVER_CONFIG,
+                                        key=common_pb2.ArtifactKey(digest=hashlib.sha256(b"absent").hexdigest()))
+    replica = BackgroundServer(lambda: start_exec_server(ExecServerSettings(
+        "127.0.0.1:0", cluster.trusted, store=cluster.url, cache_dir=cluster.root / "preloaded-cache",
+        preload=(wanted, missing))))
+    try:
+        deadline = time.monotonic() + 120
+        while check(replica.address, health_name("tiny-preloaded")) != "SERVING":
+            assert time.monotonic() < deadline, "the preloaded model never became ready"
+            time.sleep(0.2)
+        stub = exec_pb2_grpc.ExecServiceStub(cluster.channel(replica.address))
+        assert greedy(stub, "tiny-preloaded") == greedy(cluster.exec_stub(1), "tiny-a")
+        models = {m.name: m for m in stub.ListModels(exec_pb2.ListModelsRequest()).models}
+        assert models["tiny-not-there"].state == exec_pb2.MODEL_STATE_FAILED
+        assert missing.key.digest in models["tiny-not-there"].error
+        assert check(replica.address, health_name("tiny-not-there")) == "NOT_SERVING"
+    finally:
+        replica.stop()

@@ -41,13 +41,7 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
 
     @status_errors
     async def LoadModel(self, request, context):
-        target = load_target(request, self.roots)
-        previous = self.models.get(target.name)
-        if previous is not None and previous.state != exec_pb2.MODEL_STATE_FAILED:
-            raise AlreadyExists(f"name: a model named {quote(target.name)} is already loaded or loading; unload it "
-                                f"or choose another name")
-        served = self.models[target.name] = ServedModel(target.name)
-        await self.server.set_serving(health_name(target.name), False)
+        served, target = await self._begin_load(request)
         progress = ProgressEvents()
         # A task of its own: the load completes (or fails) and updates the model even if this client goes away. Task
         # and thread run in copies of this context, so the startup spans are children of this call's server span.
@@ -55,6 +49,24 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         async for phase in progress.until_done(load):
             yield exec_pb2.LoadModelEvent(phase=messages.startup_phase_message(phase))
         yield exec_pb2.LoadModelEvent(ready=messages.model_sizing_message(load.result().sizing))
+
+    async def preload(self, request: exec_pb2.LoadModelRequest) -> asyncio.Task:
+        """A LoadModel the operator asked for at start (``--load``), in the background: its phases go to the log,
+        and its health entry turns SERVING once it is ready, which is what a per-model readiness probe waits for."""
+        served, target = await self._begin_load(request)
+        task = asyncio.ensure_future(self._load(served, target, lambda phase: None))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure is logged and in ListModels
+        return task
+
+    async def _begin_load(self, request: exec_pb2.LoadModelRequest) -> tuple[ServedModel, LoadTarget]:
+        target = load_target(request, self.roots)
+        previous = self.models.get(target.name)
+        if previous is not None and previous.state != exec_pb2.MODEL_STATE_FAILED:
+            raise AlreadyExists(f"name: a model named {quote(target.name)} is already loaded or loading; unload it "
+                                f"or choose another name")
+        served = self.models[target.name] = ServedModel(target.name)
+        await self.server.set_serving(health_name(target.name), False)
+        return served, target
 
     async def _load(self, served: ServedModel, target: LoadTarget, emit) -> StartedModel:
         try:
