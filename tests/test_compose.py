@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 import yaml
 from conftest import TINY_CONFIG, TINY_MODEL
+from redis_server import RedisServer
 
 from kiln.client_security import ClientSecurity
 from kiln.grpc_server import CHANNEL_OPTIONS
@@ -157,17 +158,19 @@ def test_cpu_override_drops_gpu_reservations_and_hides_gpus(compose, cpu_compose
         assert service["command"] == compose["services"][name]["command"]
 
 
-def test_store_volume_is_shared_rw_for_compile_and_ro_for_exec(compose):
+def test_both_kiln_services_share_the_redis_store(compose):
     services = compose["services"]
-    store = dockerfile_env()["KILN_STORE"]
-    compile_mount = volume(services["compile"], store)
-    exec_mount = volume(services["exec"], store)
-    assert compile_mount["type"] == exec_mount["type"] == "volume"
-    assert compile_mount["source"] == exec_mount["source"] in compose["volumes"]
-    assert compile_mount.get("read_only", False) is False
-    assert exec_mount["read_only"] is True
+    redis = services["redis"]
+    assert re.fullmatch(r"redis:7\.\d+\.\d+", redis["image"]), "Redis 7, pinned"
+    assert flag(redis["command"], "--maxmemory-policy") == "noeviction", "an evicted chunk would break a bundle"
+    assert flag(redis["command"], "--appendonly") == "yes" and volume(redis, "/data")["source"] in compose["volumes"]
+    assert "ports" not in redis, "only the Kiln services reach the store"
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     for name in KILN_SERVICES:
-        assert flag(services[name]["command"], "--store") == store
+        command = services[name]["command"]
+        assert flag(command, "--store") == "redis://redis:6379/0"
+        assert flag(command, "--cache").startswith(volume(services[name], "/var/cache/kiln")["target"] + "/")
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
 def test_compiler_caches_live_on_a_volume_per_service(compose):
@@ -368,6 +371,8 @@ def test_compose_commands_run_locally_become_healthy_and_serve_generate(cpu_comp
     keys = subprocess.run(local.argv(cpu_compose["services"][KEYS_SERVICE]["command"]), capture_output=True,
                           text=True, timeout=120, env=local.env(KEYS_SERVICE))
     assert keys.returncode == 0, keys.stderr
+    redis = RedisServer(tmp_path / "redis").start()  # the compose `redis` service, on a free port
+    local.ports[6379] = redis.port
     services = {}
     try:
         for name in ("compile", "exec"):  # exec depends_on a healthy compile
@@ -394,7 +399,7 @@ def test_compose_commands_run_locally_become_healthy_and_serve_generate(cpu_comp
             assert events[-1].HasField("ready"), events
             fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch"
                          and not e.phase.progress)
-            assert "shared store" in fetch.detail, "exec reads the compile service's store in place"
+            assert f"shared store redis://127.0.0.1:{redis.port}/0" in fetch.detail, "exec reads the shared store"
             responses = list(stub.Generate(exec_pb2.GenerateRequest(
                 model="tiny-llama", prompt_ids=[5, 6, 7, 8], max_tokens=8, temperature=0.0, ignore_eos=True)))
         assert sum(len(r.token_ids) for r in responses) == 8
@@ -412,3 +417,4 @@ def test_compose_commands_run_locally_become_healthy_and_serve_generate(cpu_comp
     finally:
         for service in services.values():
             service.kill()
+        redis.stop()
