@@ -1,8 +1,9 @@
 """LoadModel on a fresh replica, phase by phase, by where its bundle comes from: the Redis store, a shared
 filesystem store, or the compile service (Compile hit + GetArtifact).
 
-1. Starts `kiln compile-server` on a fresh directory store and compiles the model once (cold; not timed here).
-2. Copies that bundle into a Redis store (a redis-server started here on loopback, or --redis URL).
+1. Makes a signing key pair, starts `kiln compile-server` on a fresh directory store and compiles the model once
+   (cold; not timed here).
+2. Copies that signed bundle into a Redis store (a redis-server started here on loopback, or --redis URL).
 3. For each source, starts a fresh `kiln exec-server` (empty cache), times one LoadModel, prints its phases, stops it.
 
 usage: python bench/store_fetch.py [--preset llama-3-8b] [--redis redis://HOST:PORT/DB]
@@ -19,6 +20,7 @@ import grpc
 
 from kiln.grpc_server import CHANNEL_OPTIONS
 from kiln.redis_store import RedisStore
+from kiln.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_key_pair
 from kiln_cli.service_process import ServiceProcess, child_environment, free_port, kiln_command
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
@@ -36,7 +38,8 @@ def service(name: str, tmp: Path, *argv: str) -> ServiceProcess:
 
 def load_once(tmp: Path, name: str, request: exec_pb2.LoadModelRequest, *exec_args: str) -> dict:
     """A fresh replica with an empty cache, one LoadModel; seconds per phase."""
-    replica = service(f"exec-{name}", tmp, "exec-server", "--cache", str(tmp / f"cache-{name}"), *exec_args)
+    replica = service(f"exec-{name}", tmp, "exec-server", "--cache", str(tmp / f"cache-{name}"), "--trusted-keys",
+                      str(tmp / "keys" / PUBLIC_KEY_FILE), *exec_args)
     try:
         phases, started = {}, time.perf_counter()
         with grpc.insecure_channel(replica.address, options=CHANNEL_OPTIONS) as channel:
@@ -68,7 +71,9 @@ def main() -> None:
                  "--dir", str(tmp), "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
             url = f"redis://127.0.0.1:{port}/0"
             time.sleep(0.5)
-        compile_service = service("compile", tmp, "compile-server", "--store", str(tmp / "store"))
+        generate_key_pair(tmp / "keys")
+        compile_service = service("compile", tmp, "compile-server", "--store", str(tmp / "store"), "--signing-key",
+                                  str(tmp / "keys" / PRIVATE_KEY_FILE))
         try:
             model = common_pb2.ModelSpec(preset=args.preset)
             config = common_pb2.CompileConfig(device=args.device)

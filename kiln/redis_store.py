@@ -180,6 +180,8 @@ class RedisStore:
     def delete(self, key: str) -> int:
         """Remove a bundle from Redis and the local copy; the bytes freed in Redis (0 when it was not there)."""
         self._check(key)
+        if self.read_only:
+            raise RuntimeError(f"delete of {key[:12]} through a read-only view of {self.location}")
         with self.lock(key), self._reachable():
             entry = self._entry(key)
             self.cache.delete(key)
