@@ -1,7 +1,7 @@
-"""CompileService over gRPC: Compile (streamed progress), GetArtifact (streamed tar), ListArtifacts, DeleteArtifact."""
+"""CompileService over gRPC: Compile (streamed progress), GetArtifact (the bundle streamed from disk, checked as it
+is read), ListArtifacts, DeleteArtifact."""
 
 import asyncio
-import hashlib
 import logging
 import time
 from pathlib import Path
@@ -9,9 +9,18 @@ from pathlib import Path
 from compile_service.pipeline import CompileOutcome, compile_model
 from kiln import bundle
 from kiln.artifact_store import ArtifactStore, check_key
+from kiln.bundle import CorruptBundle, UntrustedBundle
 from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument, NotFound
-from kiln.grpc_server import UNGUARDED, ProgressEvents, Server, ServerSecurity, is_loopback, status_errors
+from kiln.grpc_server import (
+    UNGUARDED,
+    ProgressEvents,
+    Server,
+    ServerSecurity,
+    in_worker_thread,
+    is_loopback,
+    status_errors,
+)
 from kiln.model_roots import ModelRoots
 from kiln.model_spec import resolve
 from kiln.signing import Signer, TrustedKeys
@@ -21,15 +30,19 @@ from protos import common_pb2, compile_pb2, compile_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = compile_pb2.DESCRIPTOR.services_by_name["CompileService"].full_name
+# GetArtifact's chunk_bytes: 0 means the default; outside the bounds is INVALID_ARGUMENT. The floor keeps a bundle
+# from becoming millions of messages, the ceiling keeps each one far below the message size limit.
 DEFAULT_CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 64 << 10
 MAX_CHUNK_BYTES = 4 << 20
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kiln" / "compile-cache"
 
 
 class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
-    def __init__(self, store: ArtifactStore, roots: ModelRoots):
+    def __init__(self, store: ArtifactStore, roots: ModelRoots, trusted: TrustedKeys):
         self.store = store
         self.roots = roots
+        self.trusted = trusted  # what the store's bundles must be signed by: GetArtifact checks as it streams
 
     @status_errors
     async def Compile(self, request, context):
@@ -42,24 +55,32 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
             events.emit(compile_pb2.CompileProgress(phase=phase, piece=piece, num_pieces=num_pieces, size=size,
                                                     elapsed_s=time.monotonic() - started))
 
-        # to_thread runs the compile in a copy of this context, so its spans are children of this call's server span.
-        job = asyncio.ensure_future(asyncio.to_thread(compile_model, model, config, self.store, progress))
+        # The worker thread runs in a copy of this context, so the compile's spans are children of this call's span.
+        job = in_worker_thread(compile_model, model, config, self.store, progress)
         async for event in events.until_done(job):
             yield compile_pb2.CompileEvent(progress=event)
         yield compile_pb2.CompileEvent(result=_result(job.result()))
 
     @status_errors
     async def GetArtifact(self, request, context):
-        path = self._bundle(request.key.digest)
-        chunk = request.chunk_bytes or DEFAULT_CHUNK_BYTES
-        if not 0 < chunk <= MAX_CHUNK_BYTES:
-            raise InvalidArgument(f"chunk_bytes: {chunk} must be in (0, {MAX_CHUNK_BYTES}]")
-        data = await asyncio.to_thread(bundle.pack, path)
-        yield compile_pb2.ArtifactChunk(header=compile_pb2.ArtifactHeader(
-            sha256=hashlib.sha256(data).hexdigest(), total_bytes=len(data),
-            manifest_json=(path / bundle.MANIFEST).read_text()))
-        for offset in range(0, len(data), chunk):
-            yield compile_pb2.ArtifactChunk(data=data[offset:offset + chunk])
+        chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(f"chunk_bytes: {chunk_bytes} is outside [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] "
+                                  f"(0 means {DEFAULT_CHUNK_BYTES})")
+        key = request.key.digest
+        path = self._bundle(key, check=False)  # checked below, as it is read: one pass over the bytes
+        try:
+            manifest_json, signature_json, manifest = await asyncio.to_thread(bundle.read_signed, path, key,
+                                                                              self.trusted)
+            chunks = bundle.read_chunks(path, manifest, chunk_bytes)
+            yield compile_pb2.ArtifactChunk(header=compile_pb2.ArtifactHeader(
+                total_bytes=manifest.total_bytes, manifest_json=manifest_json, signature_json=signature_json))
+            while (data := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield compile_pb2.ArtifactChunk(data=data)
+        except (CorruptBundle, UntrustedBundle) as exc:
+            await asyncio.to_thread(self._recheck, key)
+            raise CorruptBundle(f"key: bundle {key[:12]} does not match its manifest ({exc}); it is quarantined and "
+                                f"the next Compile rebuilds it") from None
 
     @status_errors
     async def ListArtifacts(self, request, context):
@@ -81,12 +102,18 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
             raise NotFound(f"key: no artifact {request.key.digest}")
         return compile_pb2.DeleteArtifactResponse(freed_bytes=freed)
 
-    def _bundle(self, digest: str) -> Path:
+    def _bundle(self, digest: str, check: bool = True) -> Path:
         check_key(digest)
-        path = self.store.get(digest)
+        path = self.store.get(digest, check)
         if path is None:
             raise NotFound(f"key: no artifact {digest}; Compile it first")
         return path
+
+    def _recheck(self, key: str) -> None:
+        """A bundle failed its check while streamed: look again under its lock, which quarantines it if it still
+        fails (and leaves it alone if a rebuild just replaced it)."""
+        with self.store.lock(key):
+            self.store.get(key)
 
 
 def _result(outcome: CompileOutcome) -> compile_pb2.CompileResult:
@@ -112,7 +139,7 @@ async def start_compile_server(store: str | Path, address: str, interceptors=(),
     bundles = open_store(store, cache_dir, lease_s=lease_s, signer=signer, trusted=trusted)
     roots = ModelRoots.for_server(model_roots, loopback=is_loopback(address))
     server = Server([SERVICE_NAME], interceptors, security)
-    compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(bundles, roots), server.server)
+    compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(bundles, roots, trusted), server.server)
     port = await server.start(address)
     log.info("compile service listening on %s (port %d), store %s, signing as %s, model roots: %s", address, port,
              bundles.location, signer.key_id, roots.describe())

@@ -7,14 +7,18 @@ sha256s and signature are checked on that copy), so a remote backend keeps verif
 - ``location``: where the store is, for messages and spans (a path, ``redis://host:port/db``); never a password.
 - ``lock(key)``: single flight for one key across every process on the store (a file lock here, a fenced lease
   in Redis); ``commit`` of that key happens inside it.
-- ``get(key) -> Path | None``: the committed bundle as a verified local directory, or None when there is none
-  (a corrupt one is removed and reported missing by a writer, so it is rebuilt; a reader refuses it).
+- ``get(key, check=True) -> Path | None``: the committed bundle as a local directory checked now (never
+  remembered as good: bit rot keeps the modification time), or None when there is none (a corrupt one is taken out
+  of service by a writer, so it is rebuilt; a reader refuses it). ``check=False`` is for a reader that hashes as it
+  reads (GetArtifact) and calls ``get`` again, under the lock, when that finds a difference.
+- ``quarantine(key, reason)``: take a local copy that failed a check at load out of service, kept for a person.
 - ``staging_dir()`` / ``commit(key, staged)`` / ``discard(staged)``: build a bundle in a local directory, then
   publish it atomically (readers see the whole bundle or none of it), or throw it away.
 - ``list()``: every committed bundle's manifest and last-used time (ListArtifacts); ``delete(key)``: bytes freed.
 
 Writes are atomic; the compile service's store signs what it commits and, on a read, takes as present only a
-bundle signed by a key it trusts: whoever else can write the store can plant bytes there but not a hit.
+bundle signed by a key it trusts: whoever else can write the store can plant bytes there but not a hit. A process
+killed mid-write leaves a staging directory and a lock file; the next process to open the store sweeps both.
 
 RedisStore (kiln/redis_store.py) is the second backend. An object store (S3 and the like) would be one more class
 of the same methods: files uploaded as objects under a fresh prefix ``<key>/<generation>/``, then a small
@@ -39,7 +43,7 @@ from typing import Protocol
 
 from kiln import bundle
 from kiln.bundle import CorruptBundle, Manifest, UntrustedBundle
-from kiln.errors import InvalidArgument, quote
+from kiln.errors import FailedPrecondition, InvalidArgument, quote
 from kiln.signing import Signer, TrustedKeys
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,8 @@ class ArtifactStore(Protocol):
     location: str
 
     def lock(self, key: str) -> AbstractContextManager[None]: ...
-    def get(self, key: str) -> Path | None: ...
+    def get(self, key: str, check: bool = True) -> Path | None: ...
+    def quarantine(self, key: str, reason: str) -> None: ...
     def staging_dir(self) -> Path: ...
     def commit(self, key: str, staged: Path) -> Path: ...
     def discard(self, staged: Path) -> None: ...
@@ -79,7 +84,8 @@ class ArtifactStore(Protocol):
 
 
 class FilesystemStore:
-    """Bundles as directories ``ROOT/<key>/``; staging under ``ROOT/.staging``, locks under ``ROOT/.locks``.
+    """Bundles as directories ``ROOT/<key>/``; staging under ``ROOT/.staging``, locks under ``ROOT/.locks``,
+    bundles that failed their check under ``ROOT/.quarantine`` (the latest one per key, for a person to look at).
 
     With a ``signer``, every commit is signed; with ``trusted`` keys, a bundle is present only when its signature
     verifies (the compile service's store). With ``verify=False`` (the execute service's) reads check nothing: the
@@ -97,12 +103,13 @@ class FilesystemStore:
         # A store mounted read-only (the exec service's view of a shared volume) is read, never written: bundles
         # appear there by atomic rename, so a reader needs no lock, and it leaves last-used times to the writer.
         self.read_only = self.root.is_dir() and not os.access(self.root, os.W_OK)
-        if not self.read_only:
-            (self.root / ".staging").mkdir(parents=True, exist_ok=True)
-            (self.root / ".locks").mkdir(exist_ok=True)
         self._thread_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
-        self._verified: dict[str, tuple[float, int]] = {}  # key -> (manifest mtime, size) last verified here
+        self._staging: dict[Path, int] = {}  # staging directory -> the descriptor whose flock marks it as live
+        if not self.read_only:
+            for sub in (".staging", ".locks", ".quarantine"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            self.sweep()
 
     def path(self, key: str) -> Path:
         if not is_key(key):
@@ -111,72 +118,96 @@ class FilesystemStore:
 
     @contextmanager
     def lock(self, key: str) -> Iterator[None]:
-        """Exclusive per key, across threads of this process and across processes sharing the store."""
+        """Exclusive per key, across threads of this process and across processes sharing the store.
+
+        The lock file is removed on release, so none outlives its holder; a waiter that wakes on a removed file
+        takes the lock again on the new one.
+        """
         with self._guard:
             thread_lock = self._thread_locks.setdefault(key, threading.Lock())
         if self.read_only:
             with thread_lock:
                 yield
             return
-        with thread_lock, open(self.root / ".locks" / f"{key}.lock", "w") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+        path = self.root / ".locks" / f"{key}.lock"
+        with thread_lock:
+            fd = _flock(path, blocking=True)
             try:
                 yield
             finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+                path.unlink(missing_ok=True)
+                os.close(fd)
 
-    def get(self, key: str) -> Path | None:
-        """The verified bundle (unchecked with ``verify=False``), or None; a corrupt or untrusted bundle is deleted
-        so the caller rebuilds it."""
+    def get(self, key: str, check: bool = True) -> Path | None:
+        """The bundle, checked now (not with ``verify=False``), or None; one that fails is quarantined, so the
+        caller rebuilds it. Call it holding the key's lock. ``check=False`` is for a reader that hashes as it reads
+        (GetArtifact) and calls ``get`` again, under the lock, when that finds a difference."""
         path = self.path(key)
         if not path.is_dir():
             return None
-        stamp = self._stamp(path) if self.verify else None
-        if self.verify and self._verified.get(key) != stamp:
+        if self.verify and check:
             try:
                 self._verify(key, path)
             except (CorruptBundle, UntrustedBundle) as exc:
-                log.warning("store %s: bundle %s set aside: %s", self.root, key[:12], exc)
-                if self.read_only:
-                    return None
-                self._remove(path)
-                self._verified.pop(key, None)
+                self.quarantine(key, str(exc))
                 return None
-            self._verified[key] = stamp
         self.touch(key)
         return path
 
     def _verify(self, key: str, path: Path) -> None:
-        if self.trusted is None:
-            bundle.verify(path)
-        else:
+        if self.trusted is not None:
             bundle.verify_signed(path, key, self.trusted)
+        elif bundle.verify(path).key != key:
+            raise CorruptBundle(f"its manifest is of bundle {bundle.read_manifest(path).key[:12]}")
+
+    def quarantine(self, key: str, reason: str) -> None:
+        """Take a bundle that failed its check out of service, keeping it aside for a person to look at."""
+        if self.read_only:
+            log.error("bundle %s in the read-only store %s fails its check (%s); its writer must rebuild it",
+                      key[:12], self.root, reason)
+            return
+        kept = self.root / ".quarantine" / key
+        try:
+            if kept.exists():
+                shutil.rmtree(kept)
+            os.rename(self.path(key), kept)
+        except FileNotFoundError:
+            return  # another process took it out first
+        log.error("bundle %s failed its check (%s): moved to %s; it is rebuilt on the next Compile", key[:12],
+                  reason, kept)
 
     def touch(self, key: str) -> None:
         if not self.read_only:
             (self.path(key) / _LAST_USED).touch()
 
     def staging_dir(self) -> Path:
-        return Path(tempfile.mkdtemp(dir=self.root / ".staging"))
+        """A new directory to write a bundle into, marked live (flock) until commit or discard."""
+        if self.read_only:
+            raise FailedPrecondition(f"store: {self.root} is read-only; a new bundle has nowhere to be written")
+        while True:
+            staged = Path(tempfile.mkdtemp(dir=self.root / ".staging"))
+            fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink:  # not swept by another process starting between mkdtemp and flock
+                self._staging[staged] = fd
+                return staged
+            os.close(fd)
 
-    def commit(self, key: str, staged: Path, verified: bool = False) -> Path:
-        """Move a fully written staging directory into place (atomic rename on one filesystem). ``verified``: the
-        caller checked every file against the manifest as it wrote it, so the next get need not hash it again."""
+    def commit(self, key: str, staged: Path) -> Path:
+        """Move a fully written staging directory into place (atomic rename on one filesystem)."""
         target = self.path(key)
         if self.signer is not None:
             bundle.sign(staged, self.signer)
         if target.exists():
             self._remove(target)
         os.rename(staged, target)
+        self._release(staged)
         self.touch(key)
-        if verified:
-            self._verified[key] = self._stamp(target)
-        else:
-            self._verified.pop(key, None)
         return target
 
     def discard(self, staged: Path) -> None:
         shutil.rmtree(staged, ignore_errors=True)
+        self._release(staged)
 
     def list(self) -> list[StoredArtifact]:
         out = []
@@ -199,15 +230,62 @@ class FilesystemStore:
         freed = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
         with self.lock(key):
             self._remove(path)
-        self._verified.pop(key, None)
         return freed
 
-    def _stamp(self, path: Path) -> tuple[float, int]:
-        files = [p for p in path.iterdir() if p.name != _LAST_USED]
-        return max(p.stat().st_mtime for p in files), sum(p.stat().st_size for p in files)
+    def sweep(self) -> None:
+        """Remove what killed processes left: staging directories and lock files nobody holds."""
+        swept = 0
+        for staged in (self.root / ".staging").iterdir():
+            try:
+                fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live writer's
+            finally:
+                os.close(fd)
+            shutil.rmtree(staged, ignore_errors=True)
+            swept += 1
+        for lock_file in (self.root / ".locks").glob("*.lock"):
+            try:
+                fd = _flock(lock_file, blocking=False)
+            except BlockingIOError:
+                continue
+            lock_file.unlink(missing_ok=True)
+            os.close(fd)
+            swept += 1
+        if swept:
+            log.info("store %s: swept %d leftovers of interrupted writes", self.root, swept)
+
+    def _release(self, staged: Path) -> None:
+        fd = self._staging.pop(staged, None)
+        if fd is not None:
+            os.close(fd)
 
     def _remove(self, path: Path) -> None:
         """Rename away first so no reader ever sees a half-deleted bundle."""
         doomed = self.root / ".staging" / f"deleted-{path.name}-{time.monotonic_ns()}"
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _flock(path: Path, blocking: bool) -> int:
+    """An open descriptor holding the exclusive flock of the file now at ``path`` (created if missing).
+
+    Holders remove the file when they release it, so a lock taken on a file that is no longer at ``path`` is
+    worthless: take it again on the one that is.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)

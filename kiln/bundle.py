@@ -2,14 +2,17 @@
 compile service's signature over that manifest.
 
 The compiled function is a pickle: it is unpickled only from bytes whose sha256 a trusted key signed (through the
-manifest), read once into memory so that what was checked is what is loaded. A bundle travels as an uncompressed
-tar stream whose own sha256 is sent ahead of it.
+manifest), read once into memory so that what was checked is what is loaded. Every time a bundle's bytes are served
+or loaded they are hashed as they are read and checked against the manifest: a file that differs is DATA_LOSS (bit
+rot or tampering), a manifest whose signature does not verify FAILED_PRECONDITION. On the wire a bundle is its
+manifest and signature followed by its files' bytes, concatenated in the manifest's (sorted) order, in bounded
+chunks: neither side holds more than a chunk of it in memory.
 """
 
 import hashlib
 import io
 import json
-import tarfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +25,12 @@ KEY_FACTORS = "key_factors.json"
 COMPILED_FN = "compiled_fn.bin"
 # Not covered by the manifest: the manifest itself, its signature, and the store's last-used stamp.
 _UNLISTED = {MANIFEST, SIGNATURE, ".last_used"}
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a few files; anything larger is not one
+_READ_BYTES = 1 << 20
 
 
 class CorruptBundle(DataLoss):
-    """A bundle on disk or on the wire does not match its recorded sha256 or size."""
+    """A bundle on disk or on the wire whose bytes differ from its manifest: DATA_LOSS."""
 
 
 class UntrustedBundle(FailedPrecondition):
@@ -64,15 +69,30 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
-        return cls(**json.loads(text))
+        """Parse and check the shape of a manifest (it comes from a store or a peer: untrusted storage)."""
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise CorruptBundle(f"manifest: {len(text)} bytes, more than {MAX_MANIFEST_BYTES}")
+        try:
+            manifest = cls(**json.loads(text))
+        except (ValueError, TypeError) as exc:
+            raise CorruptBundle(f"manifest: unreadable: {exc}") from None
+        if not isinstance(manifest.files, dict):
+            raise CorruptBundle("manifest: files is not an object")
+        for name, entry in manifest.files.items():
+            if name != Path(name).name or name.startswith(".") or name in _UNLISTED or len(name) > 255:
+                raise CorruptBundle(f"manifest: {name!r} is not a plain file name")
+            if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and entry["size"] >= 0
+                    and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
+                raise CorruptBundle(f"manifest: {name!r} has no valid size and sha256")
+        return manifest
 
 
 def write_manifest(bundle_dir: Path, **fields) -> Manifest:
-    """Hash every file in ``bundle_dir`` and write the manifest beside them."""
+    """Hash every file in ``bundle_dir`` (not the store's own dot files) and write the manifest beside them."""
     files = {
         p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
         for p in sorted(bundle_dir.iterdir())
-        if p.name not in _UNLISTED
+        if p.name not in _UNLISTED and not p.name.startswith(".")
     }
     manifest = Manifest(files=files, **fields)
     (bundle_dir / MANIFEST).write_text(manifest.to_json())
@@ -80,21 +100,84 @@ def write_manifest(bundle_dir: Path, **fields) -> Manifest:
 
 
 def read_manifest(bundle_dir: Path) -> Manifest:
+    return Manifest.from_json(_read_text(bundle_dir / MANIFEST))
+
+
+def _read_text(path: Path) -> str:
+    """A manifest or signature file as stored, bounded in size."""
     try:
-        return Manifest.from_json((bundle_dir / MANIFEST).read_text())
-    except (OSError, ValueError, TypeError) as exc:
-        raise CorruptBundle(f"unreadable manifest in {bundle_dir}: {exc}") from None
+        with open(path, encoding="utf-8", newline="") as f:  # the bytes signed, not a translation of them
+            return f.read(MAX_MANIFEST_BYTES + 1)
+    except (OSError, ValueError) as exc:
+        raise CorruptBundle(f"{path.parent.name}: unreadable {path.name}: {exc}") from None
 
 
 def verify(bundle_dir: Path) -> Manifest:
     """Check every file against the manifest; raise CorruptBundle on the first difference."""
     manifest = read_manifest(bundle_dir)
-    for name, entry in manifest.files.items():
-        path = bundle_dir / name
-        if not path.is_file() or path.stat().st_size != entry["size"]:
-            raise CorruptBundle(f"{name}: missing or wrong size")
-        if sha256_file(path) != entry["sha256"]:
-            raise CorruptBundle(f"{name}: sha256 differs from the manifest")
+    for _ in read_chunks(bundle_dir, manifest, _READ_BYTES):
+        pass
+    return manifest
+
+
+def read_chunks(bundle_dir: Path, manifest: Manifest, chunk_bytes: int) -> Iterator[bytes]:
+    """The bundle's files concatenated in the manifest's order, in chunks of ``chunk_bytes`` (the last shorter).
+
+    Each file is hashed as it is read; the chunk that completes a file leaves only once the file matched its
+    manifest entry, else CorruptBundle. Memory: two chunks, whatever the bundle's size.
+    """
+    pending = bytearray()
+    for name in sorted(manifest.files):
+        entry = manifest.files[name]
+        digest, left = hashlib.sha256(), entry["size"]
+        try:
+            with open(bundle_dir / name, "rb") as f:
+                while left:
+                    block = f.read(min(chunk_bytes, left))
+                    if not block:
+                        raise CorruptBundle(f"{name} is shorter than the {entry['size']} bytes its manifest lists")
+                    digest.update(block)
+                    left -= len(block)
+                    if not left and (f.read(1) or digest.hexdigest() != entry["sha256"]):
+                        raise CorruptBundle(f"{name} differs from the sha256 its manifest lists")
+                    pending += block
+                    while len(pending) >= chunk_bytes:
+                        yield bytes(pending[:chunk_bytes])
+                        del pending[:chunk_bytes]
+        except FileNotFoundError:
+            raise CorruptBundle(f"{name} is missing") from None
+    if pending:
+        yield bytes(pending)
+
+
+def write_chunks(manifest_json: str, signature_json: str, chunks: Iterable[bytes], dest: Path) -> Manifest:
+    """Write a bundle that arrives as ``read_chunks`` sent it into the empty directory ``dest``, checking each file
+    against ``manifest_json`` as it is written (CorruptBundle at the first difference), then the manifest and its
+    signature as they came. Memory: one chunk."""
+    manifest = Manifest.from_json(manifest_json)
+    incoming = iter(chunks)
+    buffer = memoryview(b"")
+    for name in sorted(manifest.files):
+        entry = manifest.files[name]
+        digest, left = hashlib.sha256(), entry["size"]
+        with open(dest / name, "xb") as f:
+            while left:
+                if not buffer:
+                    buffer = memoryview(next(incoming, b""))
+                    if not buffer:
+                        raise CorruptBundle(f"{name}: the stream ended {left} bytes before the file did")
+                piece = buffer[:left]
+                f.write(piece)
+                digest.update(piece)
+                left -= len(piece)
+                buffer = buffer[len(piece):]
+        if digest.hexdigest() != entry["sha256"]:
+            raise CorruptBundle(f"{name}: the bytes received differ from the manifest's sha256")
+    if buffer or any(incoming):
+        raise CorruptBundle("the stream carries more bytes than the manifest lists")
+    (dest / MANIFEST).write_text(manifest_json, newline="")
+    if signature_json:
+        (dest / SIGNATURE).write_text(signature_json, newline="")
     return manifest
 
 
@@ -105,36 +188,52 @@ def sign(bundle_dir: Path, signer: Signer) -> None:
     (bundle_dir / SIGNATURE).write_text(signer.sign(manifest).to_json())
 
 
+class AlteredBundle(CorruptBundle):
+    """A file that differs from the sha256 its trusted, signed manifest lists: DATA_LOSS, naming key and signer."""
+
+    def __init__(self, key: str, signer: str, reason: str):
+        super().__init__(f"bundle {key}: {reason} (signer: {signer}); refused, nothing of it was loaded")
+
+
 def verify_signed(bundle_dir: Path, key: str, trusted: TrustedKeys) -> Manifest:
-    """The manifest, once its signature verifies against a trusted key, it names ``key``, and every file it lists
-    matches; UntrustedBundle (FAILED_PRECONDITION, naming the key and the signer) otherwise."""
-    manifest, signer = _signed_manifest(bundle_dir, key, trusted)
-    for name, entry in manifest.files.items():  # hashed in blocks: memory stays flat whatever a file's size
-        path = bundle_dir / name
-        if not path.is_file():
-            raise UntrustedBundle(key, signer, f"{name} is missing")
-        if path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
-            raise UntrustedBundle(key, signer, f"{name} differs from its signed sha256")
+    """The manifest, once its signature verifies against a trusted key and it names ``key`` (UntrustedBundle,
+    FAILED_PRECONDITION, otherwise), and every file it lists matches (AlteredBundle, DATA_LOSS, otherwise); both
+    name the key and the signer."""
+    manifest_json, signature_json = _read_text(bundle_dir / MANIFEST), _read_signature(bundle_dir, key)
+    manifest, signer = check_signed(manifest_json, signature_json, key, trusted)
+    try:
+        for _ in read_chunks(bundle_dir, manifest, _READ_BYTES):
+            pass
+    except CorruptBundle as exc:
+        raise AlteredBundle(key, signer, str(exc)) from None
     return manifest
 
 
-def _signed_manifest(bundle_dir: Path, key: str, trusted: TrustedKeys) -> tuple[Manifest, str]:
-    """The manifest parsed from the very bytes whose signature verified, and the signer's key id."""
+def read_signed(bundle_dir: Path, key: str, trusted: TrustedKeys) -> tuple[str, str, Manifest]:
+    """The manifest and signature as stored, and the manifest once the signature verifies: what GetArtifact sends
+    ahead of the files it then hashes as it streams them."""
+    manifest_json, signature_json = _read_text(bundle_dir / MANIFEST), _read_signature(bundle_dir, key)
+    return manifest_json, signature_json, check_signed(manifest_json, signature_json, key, trusted)[0]
+
+
+def _read_signature(bundle_dir: Path, key: str) -> str:
+    if not (bundle_dir / SIGNATURE).is_file():
+        raise UntrustedBundle(key, "none", f"unsigned (no {SIGNATURE})")
+    return _read_text(bundle_dir / SIGNATURE)
+
+
+def check_signed(manifest_json: str, signature_json: str, key: str, trusted: TrustedKeys) -> tuple[Manifest, str]:
+    """The manifest parsed from the very text whose signature verified, and the signer's key id."""
     try:
-        signature = Signature.from_json((bundle_dir / SIGNATURE).read_text())
-    except OSError:
-        raise UntrustedBundle(key, "none", f"unsigned (no {SIGNATURE})") from None
+        signature = Signature.from_json(signature_json)
     except UntrustedSignature as exc:
         raise UntrustedBundle(key, "unreadable", str(exc)) from None
     try:
-        data = (bundle_dir / MANIFEST).read_bytes()
-        trusted.verify(data, signature)
-        manifest = Manifest.from_json(data.decode())
-    except OSError:
-        raise UntrustedBundle(key, signature.signer, f"no readable {MANIFEST}") from None
+        trusted.verify(manifest_json.encode(), signature)
+        manifest = Manifest.from_json(manifest_json)
     except UntrustedSignature as exc:
         raise UntrustedBundle(key, signature.signer, str(exc)) from None
-    except (ValueError, TypeError) as exc:
+    except CorruptBundle as exc:
         raise UntrustedBundle(key, signature.signer, f"its signed manifest does not parse: {exc}") from None
     if manifest.key != key:
         raise UntrustedBundle(key, signature.signer, f"its signed manifest is for another key, {manifest.key}")
@@ -147,33 +246,13 @@ def _read_listed(bundle_dir: Path, name: str, manifest: Manifest, signer: str) -
     """A file's bytes, read once, after checking them against the signed manifest's size and sha256."""
     entry = manifest.files[name]
     try:
-        data = (bundle_dir / name).read_bytes()
+        with open(bundle_dir / name, "rb") as f:
+            data = f.read(entry["size"] + 1)
     except OSError:
-        raise UntrustedBundle(manifest.key, signer, f"{name} is missing") from None
+        raise AlteredBundle(manifest.key, signer, f"{name} is missing") from None
     if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise UntrustedBundle(manifest.key, signer, f"{name} differs from its signed sha256")
+        raise AlteredBundle(manifest.key, signer, f"{name} differs from the sha256 its manifest lists")
     return data
-
-
-def pack(bundle_dir: Path) -> bytes:
-    """The bundle as one tar stream, members in a fixed order so equal bundles give equal bytes."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(bundle_dir.iterdir()):
-            info = tarfile.TarInfo(path.name)
-            info.size = path.stat().st_size
-            with open(path, "rb") as f:
-                tar.addfile(info, f)
-    return buf.getvalue()
-
-
-def unpack(data: bytes, expected_sha256: str, dest: Path) -> None:
-    """Verify a received tar stream and extract it into ``dest`` (which must not exist)."""
-    if hashlib.sha256(data).hexdigest() != expected_sha256:
-        raise CorruptBundle("received bundle's sha256 differs from the one announced")
-    dest.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
-        tar.extractall(dest, filter="data")
 
 
 def preload_runtime() -> None:
@@ -208,6 +287,6 @@ def load_compiled(bundle_dir: Path, key: str, trusted: TrustedKeys):
 
     import kiln.attention  # noqa: F401  (registers kiln::attention, which the split graph calls between pieces)
 
-    manifest, signer = _signed_manifest(bundle_dir, key, trusted)
+    manifest, signer = check_signed(_read_text(bundle_dir / MANIFEST), _read_signature(bundle_dir, key), key, trusted)
     data = _read_listed(bundle_dir, COMPILED_FN, manifest, signer)
     return torch.compiler.load_compiled_function(io.BytesIO(data))

@@ -122,8 +122,9 @@ class RedisStore:
 
     # --- reading ---------------------------------------------------------------------------------------------
 
-    def get(self, key: str) -> Path | None:
-        """The bundle as a verified local copy, or None when Redis has none."""
+    def get(self, key: str, check: bool = True) -> Path | None:
+        """The bundle as a verified local copy, or None when Redis has none. ``check=False`` leaves an up-to-date
+        local copy unhashed, for a reader that hashes as it reads (GetArtifact)."""
         self._check(key)
         with self._reachable():
             for _ in range(2):  # a second try when a newer commit replaced the chunks being read
@@ -131,7 +132,7 @@ class RedisStore:
                 if entry is None:
                     self.cache.delete(key)  # deleted from the store: not a hit anywhere any more
                     return None
-                local = self.cache.get(key)
+                local = self.cache.get(key, check)
                 if local is not None and (local / bundle.MANIFEST).read_bytes() == entry[b"manifest"]:
                     self.touch(key)
                     return local
@@ -144,6 +145,10 @@ class RedisStore:
                 self.touch(key)
                 return path
         raise CorruptBundle(f"bundle {key} in the store {self.location} changed twice while it was read")
+
+    def quarantine(self, key: str, reason: str) -> None:
+        """The local copy failed a check at load: set it aside; the next get downloads the bundle again."""
+        self.cache.quarantine(key, reason)
 
     def touch(self, key: str) -> None:
         if not self.read_only:
@@ -175,7 +180,7 @@ class RedisStore:
         with self._reachable():
             chunks = {name: self._upload(key, generation, name, staged / name) for name in sorted(manifest.files)}
             self._publish(key, lease, generation, chunks, manifest_bytes, signature)
-        return self.cache.commit(key, staged, verified=True)
+        return self.cache.commit(key, staged)
 
     def delete(self, key: str) -> int:
         """Remove a bundle from Redis and the local copy; the bytes freed in Redis (0 when it was not there)."""
@@ -286,7 +291,7 @@ class RedisStore:
                 (staged / bundle.SIGNATURE).write_bytes(entry[b"signature"])
             if self.trusted is not None:
                 bundle.verify_signed(staged, key, self.trusted)
-            return self.cache.commit(key, staged, verified=True)
+            return self.cache.commit(key, staged)
         except BaseException:
             self.cache.discard(staged)
             raise

@@ -64,14 +64,14 @@ class GetArtifactRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class ArtifactHeader(_message.Message):
-    __slots__ = ("sha256", "total_bytes", "manifest_json")
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("total_bytes", "manifest_json", "signature_json")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
-    sha256: str
+    SIGNATURE_JSON_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     manifest_json: str
-    def __init__(self, sha256: _Optional[str] = ..., total_bytes: _Optional[int] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    signature_json: str
+    def __init__(self, total_bytes: _Optional[int] = ..., manifest_json: _Optional[str] = ..., signature_json: _Optional[str] = ...) -> None: ...
 
 class ArtifactChunk(_message.Message):
     __slots__ = ("header", "data")

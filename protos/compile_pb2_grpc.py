@@ -67,7 +67,8 @@ class CompileServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetArtifact(self, request, context):
-        """Stream a stored bundle: a header with its sha256 and size, then chunks of a tar archive.
+        """Stream a stored bundle: a header with its manifest, then its files' bytes in chunks, each file checked
+        against the manifest's sha256 as it is read (DATA_LOSS, and the bundle quarantined, when one differs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,6 @@
 """Signed bundles through a real execute service: every way a store writer can tamper with a bundle is refused on
-LoadModel with FAILED_PRECONDITION naming the key and the signer, its payload never runs, and the server goes on
-serving. The bundle is the session's compiled tiny model, copied into a store of the test's own."""
+LoadModel naming the key and the signer (FAILED_PRECONDITION for a signature that does not verify, DATA_LOSS for a
+file that differs from its signed sha256), its payload never runs, and the server goes on serving. The bundle is the session's compiled tiny model, copied into a store of the test's own."""
 
 import json
 import pickle
@@ -94,15 +94,15 @@ def signature_garbled(path, marker, key):
     (path / bundle.SIGNATURE).write_text("{not json")
 
 
-@pytest.mark.parametrize("tamper, reason", [
-    (file_changed, "compiled_fn.bin differs from its signed sha256"),
-    (pickle_swapped_manifest_recomputed, "does not match the manifest"),
-    (signed_by_another_key, "is not a trusted key here"),
-    (signature_stripped, "unsigned (no manifest.sig)"),
-    (signature_garbled, "malformed signature file"),
+@pytest.mark.parametrize("tamper, code, reason", [
+    (file_changed, grpc.StatusCode.DATA_LOSS, "compiled_fn.bin differs from the sha256 its manifest lists"),
+    (pickle_swapped_manifest_recomputed, grpc.StatusCode.FAILED_PRECONDITION, "does not match the manifest"),
+    (signed_by_another_key, grpc.StatusCode.FAILED_PRECONDITION, "is not a trusted key here"),
+    (signature_stripped, grpc.StatusCode.FAILED_PRECONDITION, "unsigned (no manifest.sig)"),
+    (signature_garbled, grpc.StatusCode.FAILED_PRECONDITION, "malformed signature file"),
 ])
 def test_tampered_bundle_is_refused_and_its_payload_never_runs(shared_exec, tamper_store, compile_store, tiny_key,
-                                                                signer, tmp_path, tamper, reason):
+                                                                signer, tmp_path, tamper, code, reason):
     stub, channel = shared_exec
     target = tamper_store / tiny_key
     shutil.rmtree(target, ignore_errors=True)
@@ -113,7 +113,7 @@ def test_tampered_bundle_is_refused_and_its_payload_never_runs(shared_exec, tamp
 
     with pytest.raises(grpc.RpcError) as exc:
         load_model(stub, name, key=common_pb2.ArtifactKey(digest=tiny_key))
-    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.value.details()
+    assert exc.value.code() == code, exc.value.details()
     details = exc.value.details()
     assert f"bundle {tiny_key}" in details and reason in details, details
     if tamper is signed_by_another_key:

@@ -97,15 +97,21 @@ def test_fresh_process_loads_without_dynamo_and_matches_eager(compile_store, tin
         assert maxdiff < 1e-4, f"{n} tokens: logits differ by {maxdiff}"
 
 
-def test_get_artifact_streams_chunks_with_sha256(compile_stub, tiny_key, tmp_path):
+def test_get_artifact_streams_the_files_in_bounded_chunks(compile_stub, compile_store, tiny_key, tmp_path,
+                                                          trusted_keys):
     key = common_pb2.ArtifactKey(digest=tiny_key)
-    chunks = list(compile_stub.GetArtifact(compile_pb2.GetArtifactRequest(key=key, chunk_bytes=256 * 1024)))
-    header, data = chunks[0].header, b"".join(c.data for c in chunks[1:])
-    assert len(chunks) > 2 and all(len(c.data) <= 256 * 1024 for c in chunks[1:])
-    assert len(data) == header.total_bytes and hashlib.sha256(data).hexdigest() == header.sha256
-    assert json.loads(header.manifest_json)["key"] == tiny_key
-    bundle.unpack(data, header.sha256, tmp_path / "b")
-    assert bundle.verify(tmp_path / "b").key == tiny_key
+    chunks = list(compile_stub.GetArtifact(compile_pb2.GetArtifactRequest(key=key, chunk_bytes=64 * 1024)))
+    header, data = chunks[0].header, [c.data for c in chunks[1:]]
+    assert len(data) > 2 and all(len(d) == 64 * 1024 for d in data[:-1]) and 0 < len(data[-1]) <= 64 * 1024
+    assert header.manifest_json == (compile_store / tiny_key / bundle.MANIFEST).read_text()
+    assert header.signature_json == (compile_store / tiny_key / bundle.SIGNATURE).read_text()
+    manifest = json.loads(header.manifest_json)
+    assert manifest["key"] == tiny_key and sum(len(d) for d in data) == header.total_bytes
+    expected = b"".join((compile_store / tiny_key / name).read_bytes() for name in sorted(manifest["files"]))
+    assert hashlib.sha256(b"".join(data)).digest() == hashlib.sha256(expected).digest()
+    (tmp_path / "b").mkdir()
+    bundle.write_chunks(header.manifest_json, header.signature_json, iter(data), tmp_path / "b")
+    assert bundle.verify_signed(tmp_path / "b", tiny_key, trusted_keys).key == tiny_key
 
 
 @pytest.mark.parametrize(("call", "digest", "extra", "code", "message"), [
@@ -113,6 +119,8 @@ def test_get_artifact_streams_chunks_with_sha256(compile_stub, tiny_key, tmp_pat
     ("GetArtifact", "AB" * 32, {}, grpc.StatusCode.INVALID_ARGUMENT, "key.digest"),
     ("GetArtifact", "0" * 64, {}, grpc.StatusCode.NOT_FOUND, "Compile it first"),
     ("GetArtifact", None, {"chunk_bytes": 64 << 20}, grpc.StatusCode.INVALID_ARGUMENT, "chunk_bytes"),
+    ("GetArtifact", None, {"chunk_bytes": 1}, grpc.StatusCode.INVALID_ARGUMENT, "chunk_bytes: 1 is outside"),
+    ("GetArtifact", None, {"chunk_bytes": -5}, grpc.StatusCode.INVALID_ARGUMENT, "chunk_bytes"),
     ("DeleteArtifact", "xyz", {}, grpc.StatusCode.INVALID_ARGUMENT, "key.digest"),
     ("DeleteArtifact", "0" * 64, {}, grpc.StatusCode.NOT_FOUND, "no artifact"),
 ])
@@ -202,14 +210,14 @@ def test_bad_input_gets_its_status(compile_stub, model, config, code, field):
     assert field in err.value.details()
 
 
-def test_failure_inside_torch_is_internal_and_leaves_store_clean(compile_stub, compile_store, tiny_key):
+def test_a_config_torch_cannot_build_is_the_callers_error_and_leaves_store_clean(compile_stub, compile_store,
+                                                                                tiny_key):
     before = sorted(p.name for p in compile_store.iterdir())
     broken = dict(LLAMA, num_key_value_heads=3)  # 4 query heads cannot group over 3 KV heads
     with pytest.raises(grpc.RpcError) as err:
         compile_result(compile_stub, model=common_pb2.ModelSpec(config_json=json.dumps(broken)))
-    assert err.value.code() == grpc.StatusCode.INTERNAL
-    assert err.value.details().startswith("compile failed inside torch: ")
-    assert "Traceback" not in err.value.details() and len(err.value.details().splitlines()) == 1
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "model config: num_attention_heads 4 is not a multiple of num_key_value_heads 3"
     assert sorted(p.name for p in compile_store.iterdir()) == before
     assert not list((compile_store / ".staging").iterdir())
     assert compile_result(compile_stub).cache_hit  # the server is still serving

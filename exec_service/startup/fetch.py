@@ -5,11 +5,18 @@ holds.
 A bundle is only ever served after its manifest's signature verifies against a trusted key, its sha256s check out
 and its key factors match this process: an unsigned, unknown-signer or tampered bundle is refused with
 FAILED_PRECONDITION naming the key and the signer, and one built for another torch, Python or device with
-FAILED_PRECONDITION naming the factor; never loaded into a crash and never silently recompiled here.
+FAILED_PRECONDITION naming the factor; never loaded into a crash and never silently recompiled here. A download
+goes from the wire to the cache's staging directory chunk by chunk, each file checked as it is written; a bundle
+whose bytes fail their check (DATA_LOSS, here or at the compile service) is compiled again, once.
+
+The channel to the compile service waits for it to be ready and retries a call it refused as UNAVAILABLE (gRPC's
+own retry policy, from the service config below), both within the LoadModel's deadline: a compile service that
+restarts while a model loads costs the wait, not the load.
 """
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +27,8 @@ from kiln import bundle, cache_key
 from kiln.artifact_store import ArtifactStore, check_key
 from kiln.bundle import CorruptBundle, UntrustedBundle
 from kiln.compile_config import CompileConfig
-from kiln.errors import FailedPrecondition, Internal, KilnError, NotFound
+from kiln.errors import FailedPrecondition, Internal, KilnError, NotFound, Unavailable, resource_error
+from kiln.grpc_server import CHANNEL_OPTIONS
 from kiln.model_spec import ResolvedModel
 from kiln.signing import TrustedKeys
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
@@ -29,6 +37,22 @@ log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str], None]
 
+# How long a LoadModel without a deadline waits for an unreachable compile service before it gives up.
+DEFAULT_WAIT_S = 60.0
+_SERVICE_CONFIG = {"methodConfig": [{
+    "name": [{"service": compile_pb2.DESCRIPTOR.services_by_name["CompileService"].full_name}],
+    "waitForReady": True,
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "2s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"]},
+}]}
+# The service config, and reconnect backoff capped at 2 s (gRPC's own grows to 2 minutes while the server is away,
+# which is how long a restarted compile service would go unnoticed).
+COMPILE_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS, ("grpc.service_config", json.dumps(_SERVICE_CONFIG)), ("grpc.enable_retries", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
 
 class CompileServiceError(KilnError):
     """A failed call to the compile service, reported with the status the compile service gave."""
@@ -36,6 +60,13 @@ class CompileServiceError(KilnError):
     def __init__(self, exc: grpc.RpcError):
         super().__init__(f"compile service: {exc.details()}")
         self.code = exc.code()
+
+
+def _failed_call(exc: grpc.RpcError) -> KilnError:
+    """DATA_LOSS from the compile service is a bundle that failed its check there: CorruptBundle, compiled again."""
+    if exc.code() == grpc.StatusCode.DATA_LOSS:
+        return CorruptBundle(f"compile service: {exc.details()}")
+    return CompileServiceError(exc)
 
 
 @dataclass
@@ -61,46 +92,63 @@ class BundleFetcher:
         self.store = store
         self.shared = shared
         self.trusted = trusted
+        self.compile_channel = compile_channel
         self.compile_stub = compile_pb2_grpc.CompileServiceStub(compile_channel) if compile_channel else None
 
     def fetch(self, spec: common_pb2.ModelSpec, resolved: ResolvedModel, config: CompileConfig, key: str | None,
-              progress: ProgressFn = lambda detail: None) -> FetchedBundle:
+              progress: ProgressFn = lambda detail: None, deadline: float | None = None) -> FetchedBundle:
         """The bundle for ``key``, or for the model of ``spec`` under ``config``, compiled on the compile service
-        on a miss."""
+        on a miss. ``deadline`` (time.monotonic()) bounds every call to the compile service."""
         if key is not None:
             check_key(key)
+        calls = _Calls(deadline)
+        try:
+            fetched = self._fetch(spec, resolved, config, key, progress, calls)
+        except CorruptBundle as exc:
+            if key is not None or self.compile_stub is None:
+                raise
+            # The compile service checks its own copy as it answers, and rebuilds one that fails.
+            log.warning("%s; compiling it again", exc)
+            progress(f"the bundle failed its check ({exc}); compiling again")
+            fetched = self._fetch(spec, resolved, config, key, progress, calls, cached=False)
+        check_environment(fetched, config.device)
+        if key is not None:
+            check_model(fetched, resolved)
+        return fetched
+
+    def _fetch(self, spec: common_pb2.ModelSpec, resolved: ResolvedModel, config: CompileConfig, key: str | None,
+               progress: ProgressFn, calls: "_Calls", cached: bool = True) -> FetchedBundle:
         # What this process would compile: when the store has it, no call to the compile service is needed.
         digest = key or cache_key.digest(cache_key.key_factors(resolved, config))
-        with self.store.lock(digest):
-            path = self.store.get(digest)
+        path = None
+        if cached:
+            with self.store.lock(digest):
+                path = self.store.get(digest)
         source = self._found_in
         if path is None:
             if self.compile_stub is None:
                 raise NotFound(f"key: no bundle {digest} in {self._found_in}, and this exec server has no compile "
                                f"service (--compile-server) to compile it")
             if key is None:
-                digest = self._compile(_wire_spec(spec, resolved), config, progress)
-            path, source = self._get_or_download(digest, progress)
+                digest = self._compile(_wire_spec(spec, resolved), config, progress, calls)
+            path, source = self._get_or_download(digest, progress, calls)
         self._verify_signature(digest, path)
-        fetched = FetchedBundle(digest, path, self._read_factors(path), source)
-        check_environment(fetched, config.device)
-        if key is not None:
-            check_model(fetched, resolved)
-        return fetched
+        return FetchedBundle(digest, path, self._read_factors(path), source)
 
     @property
     def _found_in(self) -> str:
         """The source of a bundle that was already in ``store``."""
         return f"shared store {self.store.location}" if self.shared else "local cache"
 
-    def _compile(self, spec: common_pb2.ModelSpec, config: CompileConfig, progress: ProgressFn) -> str:
-        stub = self.compile_stub
+    def _compile(self, spec: common_pb2.ModelSpec, config: CompileConfig, progress: ProgressFn,
+                 calls: "_Calls") -> str:
         request = compile_pb2.CompileRequest(model=spec, config=config.to_proto())
         result = None
+        calls.wait_ready(self.compile_channel)
         try:
             # Read to the stream's end, past the result: the call (and its client span) ends here, not when the
             # abandoned iterator is collected.
-            for event in stub.Compile(request):
+            for event in self.compile_stub.Compile(request, timeout=calls.timeout(), wait_for_ready=True):
                 if event.HasField("result"):
                     result = event.result
                     hit = "hit" if result.cache_hit else f"compiled in {result.total_s:.1f}s"
@@ -110,12 +158,12 @@ class BundleFetcher:
                     piece = f" piece {p.piece}/{p.num_pieces} size {p.size}" if p.phase == "inductor" else ""
                     progress(f"compile service: {p.phase}{piece} at {p.elapsed_s:.1f}s")
         except grpc.RpcError as exc:
-            raise CompileServiceError(exc) from None
+            raise _failed_call(exc) from None
         if result is None:
             raise Internal("compile service: the Compile stream ended without a result")
         return result.key.digest
 
-    def _get_or_download(self, digest: str, progress: ProgressFn) -> tuple[Path, str]:
+    def _get_or_download(self, digest: str, progress: ProgressFn, calls: "_Calls") -> tuple[Path, str]:
         with self.store.lock(digest):
             path = self.store.get(digest)
             if path is not None:
@@ -123,47 +171,51 @@ class BundleFetcher:
             if self.shared:
                 raise NotFound(f"key: no bundle {digest} in the {self._found_in}: the compile service must use the "
                                f"same store")
-            size = self._download(digest, progress)
-            path = self.store.get(digest)
-            if path is None:
-                raise CorruptBundle(f"bundle {digest} failed verification after download")
+            path, size = self._download(digest, progress, calls)
             return path, f"downloaded {size / 1e6:.2f} MB from the compile service"
 
-    def _download(self, digest: str, progress: ProgressFn) -> int:
-        stub = self.compile_stub
+    def _download(self, digest: str, progress: ProgressFn, calls: "_Calls") -> tuple[Path, int]:
+        """GetArtifact straight into a staging directory of the cache, then committed: (its path, its bytes). The
+        manifest's signature is checked before anything is written, each file as it is."""
         request = compile_pb2.GetArtifactRequest(key=common_pb2.ArtifactKey(digest=digest))
-        header, chunks = None, []
+        calls.wait_ready(self.compile_channel)
+        where = f"download into the cache {self.store.location}"
         try:
-            for chunk in stub.GetArtifact(request):
-                if chunk.HasField("header"):
-                    header = chunk.header
-                    progress(f"downloading {header.total_bytes / 1e6:.2f} MB")
-                else:
-                    chunks.append(chunk.data)
+            staged = self.store.staging_dir()
+        except OSError as exc:
+            raise resource_error(exc, where) or exc from exc
+        try:
+            responses = self.compile_stub.GetArtifact(request, timeout=calls.timeout(), wait_for_ready=True)
+            first = next(responses, None)
+            if first is None or first.WhichOneof("payload") != "header":
+                raise CorruptBundle(f"GetArtifact {digest[:12]}: the stream does not start with its header")
+            header = first.header
+            manifest, _ = bundle.check_signed(header.manifest_json, header.signature_json, digest, self.trusted)
+            if manifest.total_bytes != header.total_bytes:
+                raise CorruptBundle(f"GetArtifact {digest[:12]}: the header's size is not its manifest's")
+            progress(f"downloading {header.total_bytes / 1e6:.2f} MB")
+            bundle.write_chunks(header.manifest_json, header.signature_json, (_data(c) for c in responses), staged)
+            return self.store.commit(digest, staged), header.total_bytes
         except grpc.RpcError as exc:
-            raise CompileServiceError(exc) from None
-        if header is None:
-            raise CorruptBundle(f"GetArtifact {digest}: no header")
-        data = b"".join(chunks)
-        staged = self.store.staging_dir()
-        staged.rmdir()  # unpack creates it, and refuses a directory that exists
-        try:
-            bundle.unpack(data, header.sha256, staged)
-            self.store.commit(digest, staged)
-        except Exception:
+            self.store.discard(staged)
+            raise _failed_call(exc) from None
+        except OSError as exc:
+            self.store.discard(staged)
+            raise resource_error(exc, where) or exc from exc
+        except BaseException:
             self.store.discard(staged)
             raise
-        return len(data)
 
     def _verify_signature(self, digest: str, path: Path) -> None:
-        """Nothing of a bundle is read as more than bytes before this; a refused one leaves this server's own cache,
-        so a later fetch downloads it again (a shared store is the compile service's to clean)."""
+        """Nothing of a bundle is read as more than bytes before this; a refused one leaves this server's own cache
+        for its quarantine, so a later fetch downloads it again (a shared store is the compile service's to clean)."""
         try:
             bundle.verify_signed(path, digest, self.trusted)
-        except UntrustedBundle as exc:
+        except (UntrustedBundle, CorruptBundle) as exc:
             log.warning("refused bundle %s: %s", digest[:12], exc)
             if not self.shared:
-                self.store.delete(digest)
+                with self.store.lock(digest):
+                    self.store.quarantine(digest, str(exc))
             raise
 
     @staticmethod
@@ -172,6 +224,35 @@ class BundleFetcher:
             return json.loads((path / bundle.KEY_FACTORS).read_text())
         except (OSError, ValueError) as exc:
             raise CorruptBundle(f"{path.name}: unreadable {bundle.KEY_FACTORS}: {exc}") from None
+
+
+class _Calls:
+    """The calls of one fetch to the compile service, within one deadline."""
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+
+    def timeout(self) -> float | None:
+        """What is left of the deadline for the next call; None (no deadline) lets a long compile run."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def wait_ready(self, channel: grpc.Channel) -> None:
+        """Wait for the channel to connect, up to the deadline (or DEFAULT_WAIT_S without one): UNAVAILABLE after.
+
+        The calls wait for ready themselves; this bounds the wait of a call that has no deadline of its own.
+        """
+        wait = DEFAULT_WAIT_S if self.deadline is None else self.timeout()
+        try:
+            grpc.channel_ready_future(channel).result(timeout=wait)
+        except grpc.FutureTimeoutError:
+            raise Unavailable(f"compile service: not reachable within {wait:.0f} s; is --compile-server right and "
+                              f"the compile service up?") from None
+
+
+def _data(chunk: compile_pb2.ArtifactChunk) -> bytes:
+    if chunk.WhichOneof("payload") != "data":
+        raise CorruptBundle("GetArtifact: a second header inside the stream")
+    return chunk.data
 
 
 def check_environment(fetched: FetchedBundle, device: str) -> None:
