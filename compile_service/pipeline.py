@@ -18,7 +18,7 @@ from compile_service.piecewise_backend import PiecewiseBackend
 from kiln import bundle, cache_key
 from kiln.artifact_store import ArtifactStore
 from kiln.compile_config import CompileConfig
-from kiln.errors import Internal, KilnError, first_line
+from kiln.errors import Internal, KilnError, first_line, resource_error
 from kiln.model import build_model
 from kiln.model_spec import ResolvedModel
 from tracing import spans
@@ -65,22 +65,32 @@ def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: Artifact
             log.info("compile %s: cache hit %s", model.name, key[:12])
             return CompileOutcome(key, True, manifest.total_bytes, manifest.num_pieces, manifest.num_splits,
                                   manifest.timings, time.perf_counter() - start)
-        staged = store.staging_dir()
+        staged = None
         try:
+            staged = store.staging_dir()
             with _compile_lock:
                 manifest = _compile_into(staged, key, factors, model, config, progress)
             store.commit(key, staged)
         except KilnError:  # the store's own refusal (unreachable, lease lost): its status, not INTERNAL
-            store.discard(staged)
+            _discard(store, staged)
             raise
         except Exception as exc:
-            store.discard(staged)
+            _discard(store, staged)
+            caller = resource_error(exc, f"compile of {model.name}")
+            if caller is not None:
+                log.warning("compile %s failed: %s", model.name, caller)
+                raise caller from exc
             log.exception("compile %s failed", model.name)
             raise Internal(f"compile failed inside torch: {first_line(exc)}") from exc
     total = time.perf_counter() - start
     log.info("compile %s: %d pieces in %.2fs, key %s", model.name, manifest.num_pieces, total, key[:12])
     return CompileOutcome(key, False, manifest.total_bytes, manifest.num_pieces, manifest.num_splits,
                           manifest.timings, total)
+
+
+def _discard(store: ArtifactStore, staged) -> None:
+    if staged is not None:
+        store.discard(staged)
 
 
 def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileConfig,

@@ -1,11 +1,21 @@
-"""Builds an HF causal LM on the target device and wraps it as the token-flat module Kiln compiles."""
+"""Builds an HF causal LM on the target device and wraps it as the token-flat module Kiln compiles.
+
+Before a byte is allocated the model is built on the meta device: a config transformers cannot build is the
+caller's INVALID_ARGUMENT, weights larger than the device's free memory are RESOURCE_EXHAUSTED, and a checkpoint
+is checked tensor by tensor against it (kiln.checkpoint).
+"""
+
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import kiln.attention  # noqa: F401  (registers the "kiln" attention implementation)
+from kiln import checkpoint
 from kiln.attention import ATTENTION_IMPLEMENTATION
-from kiln.errors import InvalidArgument, NotFound, quote
+from kiln.device_memory import available_bytes
+from kiln.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, first_line, quote
 from kiln.model_spec import ResolvedModel
 
 
@@ -36,29 +46,48 @@ class TokenModel(torch.nn.Module):
 
 def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed: int = 0) -> TokenModel:
     """The model with dummy weights (seeded) or the safetensors of a local HF directory, in eval mode."""
+    skeleton = _skeleton(model)
+    _check_fits(skeleton, model, device)
     if weights in ("", "dummy"):
         torch.manual_seed(seed)
         with torch.device(device):
             causal_lm = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
     else:
-        causal_lm = _load_pretrained(weights, model, device)
+        directory = Path(weights)  # a directory the model roots admitted (exec_service.api.load_request)
+        if not directory.is_dir():
+            raise NotFound(f"weights: {quote(weights)} is neither 'dummy' nor a directory with *.safetensors")
+        checkpoint.check(directory, skeleton)
+        causal_lm = _load_pretrained(directory, model, device)
     causal_lm.config._attn_implementation = ATTENTION_IMPLEMENTATION
     return TokenModel(causal_lm.eval()).eval()
 
 
-def _load_pretrained(weights: str, model: ResolvedModel, device: str) -> PreTrainedModel:
-    from pathlib import Path
+def _skeleton(model: ResolvedModel) -> PreTrainedModel:
+    """The model on the meta device: its parameters' names, shapes and sizes, at no memory cost."""
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, ZeroDivisionError) as exc:
+        raise InvalidArgument(f"model config: transformers cannot build this model: {first_line(exc)}") from None
 
-    path = Path(weights)
-    if not path.is_dir() or not any(path.glob("*.safetensors")):
-        raise NotFound(f"weights: {quote(weights)} is neither 'dummy' nor a directory with *.safetensors")
+
+def _check_fits(skeleton: PreTrainedModel, model: ResolvedModel, device: str) -> None:
+    needed, free = weights_bytes(skeleton), available_bytes(device)
+    if free is not None and needed > free:
+        raise ResourceExhausted(f"model config: the weights of {model.name} in {model.dtype_name} take "
+                                f"{needed / 2**30:.1f} GiB, the {device} has {free / 2**30:.1f} GiB free")
+
+
+def _load_pretrained(path: Path, model: ResolvedModel, device: str) -> PreTrainedModel:
     try:
         # Moved after loading: device_map would need accelerate, which Kiln does not depend on.
         return AutoModelForCausalLM.from_pretrained(
             path, config=model.config, dtype=model.dtype, use_safetensors=True
         ).to(device)
+    except SafetensorError as exc:
+        raise DataLoss(f"weights: a safetensors file in {path} is damaged ({first_line(exc)})") from None
     except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"weights: cannot load {quote(weights)}: {quote(str(exc))}") from None
+        raise InvalidArgument(f"weights: cannot load {quote(str(path))}: {quote(first_line(exc))}") from None
 
 
 def weights_bytes(module: torch.nn.Module) -> int:

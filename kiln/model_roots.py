@@ -6,11 +6,14 @@ client is a local user). Paths are compared after every symlink is resolved, the
 a refusal reads the same whether or not the path exists.
 """
 
+import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from kiln.errors import PermissionDenied, quote
+from kiln.errors import InvalidArgument, PermissionDenied, quote
+
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 
 
 class ModelRoots:
@@ -29,11 +32,18 @@ class ModelRoots:
         return ", ".join(map(str, self.roots)) or "none (no --model-root: presets and inline configs only)"
 
     def check_dir(self, path: str, field: str) -> Path:
-        """``path`` with its symlinks resolved, once it and every entry in it lie under a root."""
-        resolved = self._inside(path, path, field)
-        if resolved.is_dir():
-            for entry in resolved.iterdir():
-                self._inside(entry, path, field)
+        """``path`` with its symlinks resolved, once it and every entry in it lie under a root; INVALID_ARGUMENT
+        naming ``field`` for a path no filesystem could hold (empty, a NUL, a name or the whole too long)."""
+        if not path or len(path) > MAX_PATH_CHARS or "\0" in path:
+            raise InvalidArgument(f"{field}: not a usable path (empty, a NUL, or over {MAX_PATH_CHARS} characters)")
+        try:
+            resolved = self._inside(path, path, field)
+            if resolved.is_dir():
+                for entry in resolved.iterdir():
+                    self._inside(entry, path, field)
+        except OSError as exc:
+            reason = "a name in it is too long" if exc.errno == errno.ENAMETOOLONG else exc.strerror
+            raise InvalidArgument(f"{field}: {quote(path)}: {reason}") from None
         return resolved
 
     def _inside(self, candidate: str | Path, named: str, field: str) -> Path:

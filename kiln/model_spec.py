@@ -1,6 +1,7 @@
 """Model specs: a preset, a local Hugging Face directory or an inline config.json, resolved to an HF config."""
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.model_roots import ModelRoots
 from protos import common_pb2
 
-# A model config is a few KB; past this it is refused before it is parsed.
+# A model config is a few KB; past this it is refused before it is parsed (a Compile whose config carried tens of MB
+# of junk once took the compile service past 15 GB of memory while it parsed, copied and hashed it).
 MAX_CONFIG_JSON_BYTES = 1 << 20
 
 PRESETS: dict[str, dict] = {
@@ -45,6 +47,13 @@ PRESETS: dict[str, dict] = {
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The sizes a decoder config gives, each a positive integer up to a bound far above any real model's: a wrong type
+# or a negative size is the caller's error, named here, not a crash inside torch.
+SIZE_FIELDS = {"hidden_size": 1 << 17, "intermediate_size": 1 << 19, "num_hidden_layers": 1 << 10,
+               "num_attention_heads": 1 << 10, "num_key_value_heads": 1 << 10, "vocab_size": 1 << 23,
+               "max_position_embeddings": 1 << 24, "head_dim": 1 << 12}
+POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
 
 # Fields of config.json that say where or how a config was saved, not what the model computes.
 _NON_FACTOR_FIELDS = {"_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
@@ -119,9 +128,34 @@ def _build_config(raw: dict) -> PretrainedConfig:
             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
-        return AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"model config: {quote(str(exc))}") from None
+        config = AutoConfig.for_model(model_type, **fields)
+    except Exception as exc:  # noqa: BLE001 - transformers' checks of the caller's fields (strict dataclasses)
+        raise InvalidArgument(f"model config: {' '.join(str(exc).split())[:300]}") from None
+    _check_sizes(config)
+    return config
+
+
+def _check_sizes(config: PretrainedConfig) -> None:
+    """Every size the model is built from is a positive integer within bounds, and the heads divide evenly."""
+    for name, bound in SIZE_FIELDS.items():
+        value = getattr(config, name, None)
+        if value is None and name in ("head_dim", "num_key_value_heads"):
+            continue  # derived from hidden_size / num_attention_heads
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
+            raise InvalidArgument(f"model config: {name}: {quote(value)} is not an integer in [1, {bound}]")
+    for name in POSITIVE_FLOAT_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value) or value <= 0):
+            raise InvalidArgument(f"model config: {name}: {quote(value)} is not a positive number")
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or \
+        config.num_attention_heads
+    if heads % kv_heads:
+        raise InvalidArgument(f"model config: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                              f"{kv_heads}")
+    if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
+        raise InvalidArgument(f"model config: hidden_size {config.hidden_size} is not a multiple of "
+                              f"num_attention_heads {heads} (and no head_dim is given)")
 
 
 def _dtype(name: str, device: str) -> torch.dtype:

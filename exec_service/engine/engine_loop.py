@@ -20,7 +20,7 @@ from exec_service.engine.model_runner import LaunchedStep, ModelRunner
 from exec_service.engine.request_stream import RequestOutput, RequestStream, deliver
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import Sequence
-from kiln.errors import Internal, ResourceExhausted, Unavailable, first_line
+from kiln.errors import Internal, KilnError, ResourceExhausted, Unavailable, first_line, resource_error
 from kiln.runtime_mode import RuntimeMode
 from kiln.step_record import StepObserver, StepRecord
 
@@ -47,13 +47,13 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Finish the step in flight, then end every request with UNAVAILABLE."""
+    def stop(self, error: KilnError | None = None) -> None:
+        """Finish the step in flight, then end every request with ``error`` (default: UNAVAILABLE, unloaded)."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join()
-        gone = Unavailable(f"model: {self.name!r} was unloaded")
+        gone = error or Unavailable(f"model: {self.name!r} was unloaded")
         for _, stream in [i for i in self._inbox if not isinstance(i, str)]:
             stream.put(RequestOutput(error=gone))
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
@@ -162,7 +162,7 @@ class Engine:
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> None:
         """End the step's requests that are still live with INTERNAL and free their blocks."""
         log.error("%s: step of %d sequences failed", self.name, batch.num_seqs, exc_info=exc)
-        error = Internal(f"forward failed: {first_line(exc)}")
+        error = resource_error(exc, "forward") or Internal(f"forward failed: {first_line(exc)}")
         for entry in batch.entries:
             if not entry.seq.is_finished:
                 self.scheduler.drop(entry.seq)

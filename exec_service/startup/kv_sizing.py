@@ -2,7 +2,7 @@
 
 On CUDA the budget is DESIGN.md's formula: ``total × gpu_memory_utilization − weights − activation peak −
 CUDA-graph reserve``, capped by ``kv_cache_bytes``. On CPU there is nothing to measure against: the budget is
-``kv_cache_bytes``.
+``kv_cache_bytes``, refused when the host has less memory free.
 """
 
 import logging
@@ -12,6 +12,7 @@ import torch
 
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.kv_cache import KVCacheSpec
+from kiln.device_memory import available_bytes
 from kiln.errors import ResourceExhausted
 from kiln.runtime_mode import RuntimeMode
 
@@ -44,6 +45,10 @@ def cuda_budget(utilization: float, weights_bytes: int, activation_peak_bytes: i
 
 
 def cpu_budget(weights_bytes: int, cap_bytes: int) -> MemoryBudget:
+    free = available_bytes("cpu")
+    if free is not None and cap_bytes > free:
+        raise ResourceExhausted(f"kv_cache_bytes: {cap_bytes} bytes asked for the KV cache, this host has {free} "
+                                f"bytes of memory free; lower kv_cache_bytes")
     return MemoryBudget(0, weights_bytes, 0, 0, cap_bytes)
 
 

@@ -22,7 +22,7 @@ from exec_service.startup import kv_sizing
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle
 from exec_service.startup.memory_profile import profile_memory
 from kiln.compile_config import CompileConfig
-from kiln.errors import InvalidArgument, quote
+from kiln.errors import InvalidArgument, KilnError, quote, resource_error
 from kiln.model_spec import ResolvedModel
 from kiln.runtime_mode import RuntimeMode
 from protos import common_pb2
@@ -114,15 +114,24 @@ class _Phases:
         self.emit(StartupPhase(phase, detail=detail, progress=True))
 
 
-def start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: list[StepObserver],
-                emit: EmitFn) -> StartedModel:
-    """Run every startup phase and start the engine; raises a KilnError the client can act on."""
+def start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: list[StepObserver], emit: EmitFn,
+                deadline: float | None = None) -> StartedModel:
+    """Run every startup phase and start the engine; raises a KilnError the client can act on. ``deadline``
+    (time.monotonic(), the LoadModel's) bounds the calls to the compile service."""
     with spans.phase_span(spans.LOAD_MODEL, model=target.name, runtime_mode=target.engine_config.runtime_mode.value):
-        return _start_model(target, fetcher, step_observers, emit)
+        try:
+            return _start_model(target, fetcher, step_observers, emit, deadline)
+        except KilnError:
+            raise
+        except Exception as exc:  # out of device memory or disk is the load's limit, not a Kiln bug
+            caller = resource_error(exc, f"loading {target.name}")
+            if caller is None:
+                raise
+            raise caller from exc
 
 
-def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: list[StepObserver],
-                 emit: EmitFn) -> StartedModel:
+def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: list[StepObserver], emit: EmitFn,
+                 deadline: float | None) -> StartedModel:
     phases = _Phases(target.name, emit)
     started = time.perf_counter()
     config = target.engine_config
@@ -132,7 +141,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
             event.detail = "eager: nothing to fetch"
         else:
             fetched = fetcher.fetch(target.spec, target.resolved, target.compile_config, target.key,
-                                    lambda detail: phases.progress("fetch", detail))
+                                    lambda detail: phases.progress("fetch", detail), deadline)
             event.detail = f"{fetched.source}, key {fetched.key}"
             span.set_attributes({spans.CACHE_KEY: fetched.key, spans.SOURCE: fetched.source})
     compiled_range = fetched.max_num_batched_tokens if fetched else target.compile_config.max_num_batched_tokens
