@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exec_service.api.servicer import SERVICE_NAME, ExecServicer
-from exec_service.startup.fetch import BundleFetcher
+from exec_service.startup.fetch import COMPILE_CHANNEL_OPTIONS, BundleFetcher
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
 from kiln import bundle
 from kiln.client_security import PLAINTEXT, ClientSecurity
-from kiln.grpc_server import CHANNEL_OPTIONS, UNGUARDED, Server, ServerSecurity, is_loopback
+from kiln.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, UNGUARDED, Server, ServerSecurity, is_loopback
 from kiln.model_roots import ModelRoots
 from kiln.signing import TrustedKeys
 from kiln.step_record import StepObserver
@@ -55,7 +55,7 @@ class ExecServer(Server):
         super().__init__([SERVICE_NAME], server_interceptors(), security)
         self.telemetry = telemetry
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def stop(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
         await super().stop(grace)
         await asyncio.to_thread(self.telemetry.close)
 
@@ -75,7 +75,7 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
                        verify=False)
     # Instrumented (once init_tracing ran): Compile and GetArtifact carry this trace to the compile service.
     client = settings.client
-    channel = instrumented_channel(settings.compile_address, CHANNEL_OPTIONS, credentials=client.credentials(),
+    channel = instrumented_channel(settings.compile_address, COMPILE_CHANNEL_OPTIONS, credentials=client.credentials(),
                                    interceptors=client.interceptors()) if settings.compile_address else None
     fetcher = BundleFetcher(store, shared=shared, compile_channel=channel,
                             trusted=settings.trusted)
@@ -83,6 +83,7 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     server = ExecServer(ExecTelemetry(installed_telemetry(), step_observers), settings.security)
     servicer = ExecServicer(server, fetcher, server.telemetry, roots)
     exec_pb2_grpc.add_ExecServiceServicer_to_server(servicer, server.server)
+    server.on_grace_ending = servicer.end_streams
     port = await server.start(settings.address)
     log.info("exec service listening on %s (port %d), compile service %s, %s %s, trusting %s, model roots: %s",
              settings.address, port, settings.compile_address or "none",

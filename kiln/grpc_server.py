@@ -2,12 +2,16 @@
 security of the port: TLS, bearer tokens, the request size cap, and a loud warning for an open port."""
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import ipaddress
 import logging
+import os
 import signal
-from collections.abc import Iterable
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -15,10 +19,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kiln.auth import TokenAuth, TokenTable
-from kiln.errors import KilnError, first_line
+from kiln.errors import KilnError, first_line, resource_error
 from kiln.tls import ServerTls
 
 log = logging.getLogger(__name__)
+
+# How long SIGTERM lets calls in flight finish before what is left is ended (--shutdown-grace-s): below
+# Kubernetes' default terminationGracePeriodSeconds of 30, so the drain ends before the kill.
+DEFAULT_SHUTDOWN_GRACE_S = 25.0
+# After the grace, how long a service has to end what is left with a status of its own before gRPC cancels it.
+END_CALLS_S = 3.0
 
 # What a client receives: bundles are tens of MB, but GetArtifact streams them in chunks of at most 4 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -69,11 +79,16 @@ def _cut(message: str) -> str:
 
 
 def status_errors(method):
-    """Map KilnError to its status and anything unexpected to INTERNAL with one line: never a stack trace."""
+    """Map KilnError to its status, a full disk or exhausted memory to theirs, and anything else (a Kiln bug) to
+    INTERNAL with one line: never a stack trace."""
 
     async def abort(context, exc: Exception):
         if isinstance(exc, KilnError):
             await context.abort(exc.code, _cut(str(exc)))
+        caller = resource_error(exc, method.__name__)
+        if caller is not None:
+            log.warning("%s failed: %s", method.__name__, caller)
+            await context.abort(caller.code, _cut(str(caller)))
         log.exception("unexpected error in %s", method.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, _cut(first_line(exc)))
 
@@ -128,8 +143,71 @@ class ProgressEvents:
                 getter.cancel()
 
 
+_workers: set[threading.Thread] = set()  # in_worker_thread's threads still running
+
+
+def in_worker_thread(fn: Callable, *args) -> asyncio.Future:
+    """``fn(*args)`` in a daemon thread, awaited on the event loop, in a copy of the current context (so its spans
+    are children of the call's). Unlike asyncio.to_thread, a compile or a model load still running when the
+    shutdown grace ends does not hold the process's exit: its staging leftovers are swept at the next start."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = context.run(fn, *args)
+            outcome = functools.partial(future.set_result, result)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            outcome = functools.partial(future.set_exception, exc)
+        _workers.discard(threading.current_thread())
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:
+            pass  # the event loop is closed: the server stopped while this ran
+
+    thread = threading.Thread(target=run, name=getattr(fn, "__name__", "worker"), daemon=True)
+    _workers.add(thread)
+    thread.start()
+    return future
+
+
+def leave_unfinished_workers() -> None:
+    """The last call of a server process, after it stopped and flushed its telemetry: when a compile or a load is
+    still running (cut by the shutdown grace), exit now. Finalizing the interpreter under a thread inside torch
+    aborts the process; what the thread was writing is swept at the next start."""
+    running = [t.name for t in list(_workers) if t.is_alive()]
+    if running:
+        log.warning("exiting with %d unfinished workers (%s)", len(running), ", ".join(running))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+class Health(health.aio.HealthServicer):
+    """The standard health service, which also forgets names: an unloaded model is NOT_FOUND, as one never loaded."""
+
+    async def clear(self, service: str) -> None:
+        condition = self._server_watchers.get(service)
+        if condition is None:
+            self._server_status.pop(service, None)
+            return
+        async with condition:  # watchers hear SERVICE_UNKNOWN
+            self._server_status.pop(service, None)
+            condition.notify_all()
+
+
 class Server:
-    """A grpc.aio server with the standard health service and server reflection, guarded as ``security`` says."""
+    """A grpc.aio server with the standard health service and server reflection, guarded as ``security`` says.
+
+    ``on_grace_ending``, when set, runs when a shutdown's grace ends with calls still in flight, so the service
+    ends them with a status a client can act on rather than gRPC's bare cancellation END_CALLS_S later.
+    """
 
     def __init__(self, service_names: Iterable[str], interceptors: Iterable = (),
                  security: ServerSecurity = UNGUARDED):
@@ -139,7 +217,8 @@ class Server:
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", security.max_request_bytes)]
         self.server = grpc.aio.server(options=options, interceptors=[*interceptors, *guards])
-        self.health = health.aio.HealthServicer()
+        self.health = Health()
+        self.on_grace_ending: Callable[[float], Awaitable[None]] | None = None
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
         reflection.enable_server_reflection(
@@ -174,26 +253,40 @@ class Server:
                         "of %s%s", address, " and without ".join(missing), ", ".join(self.service_names),
                         " and read every byte in plaintext" if not self.security.tls else "")
 
-    async def stop(self, grace: float = 5.0) -> None:
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+    async def forget(self, name: str) -> None:
+        """Health checks of ``name`` answer NOT_FOUND from now on."""
+        await self.health.clear(name)
 
-    async def serve_until_signal(self) -> None:
-        """Run until SIGINT/SIGTERM, then drain in-flight calls and stop."""
+    async def stop(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+        """Refuse new calls (health NOT_SERVING), let those in flight finish for up to ``grace`` seconds, then end
+        what is left through ``on_grace_ending``, and cancel whatever still runs END_CALLS_S after that."""
+        await self.health.enter_graceful_shutdown()
+        if self.on_grace_ending is None:
+            await self.server.stop(grace)
+            return
+        stopping = asyncio.ensure_future(self.server.stop(grace + END_CALLS_S))
+        done, _ = await asyncio.wait([stopping], timeout=grace)
+        if not done:
+            await self.on_grace_ending(grace)
+        await stopping
+
+    async def serve_until_signal(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+        """Run until SIGINT/SIGTERM, then drain in-flight calls for up to ``grace`` seconds and stop."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        log.info("shutting down")
-        await self.stop()
+        log.info("shutting down: draining calls in flight for up to %.0f s", grace)
+        await self.stop(grace)
+        log.info("stopped")
 
 
-def serve_until_signal(start) -> None:
+def serve_until_signal(start, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
     """Run ``start()`` (a coroutine returning (Server, port)) and serve until SIGINT/SIGTERM: the CLI's servers."""
 
     async def serve():
         server, _ = await start()
-        await server.serve_until_signal()
+        await server.serve_until_signal(grace)
 
     asyncio.run(serve())

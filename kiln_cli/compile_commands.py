@@ -1,11 +1,12 @@
 """``kiln compile-server``, ``kiln compile`` and ``kiln artifacts list|rm``."""
 
+import argparse
 import os
 from pathlib import Path
 
 import grpc
 
-from kiln.grpc_server import CHANNEL_OPTIONS, serve_until_signal
+from kiln.grpc_server import CHANNEL_OPTIONS, DEFAULT_SHUTDOWN_GRACE_S, leave_unfinished_workers, serve_until_signal
 from kiln_cli import security_args
 from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
@@ -27,6 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--trusted-keys", default=os.environ.get("KILN_TRUSTED_KEYS"),
                    help="public keys (file or directory of *.pub) whose bundles in the store still count as hits: "
                         "keys rotated out")
+    add_shutdown_grace_arg(p)
     security_args.add_server_args(p)
     p.set_defaults(handler=run_compile_server)
 
@@ -45,6 +47,18 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true")
     security_args.add_client_args(p)
     p.set_defaults(handler=run_artifacts)
+
+
+def add_shutdown_grace_arg(p) -> None:
+    p.add_argument("--shutdown-grace-s", type=_grace, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="on SIGTERM or Ctrl-C, seconds calls in flight may take to finish (default: %(default)s)")
+
+
+def _grace(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be in [0, 3600] seconds, got {text}")
+    return value
 
 
 def add_compile_config_args(p) -> None:
@@ -94,9 +108,10 @@ def run_compile_server(args) -> int:
         serve_until_signal(lambda: start_compile_server(
             args.store, f"{args.host}:{args.port}", server_interceptors(), signer=signer, trusted=trusted,
             security=security, model_roots=security_args.model_roots(args), cache_dir=args.cache or DEFAULT_CACHE_DIR,
-            lease_s=args.lease_s))
+            lease_s=args.lease_s), args.shutdown_grace_s)
     finally:
         telemetry.shutdown()
+    leave_unfinished_workers()
     return 0
 
 

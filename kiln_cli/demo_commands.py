@@ -101,18 +101,23 @@ async def _load(stub, model: str, device: str) -> exec_pb2.ModelSizing:
     _say(f"\nloading {model} (a cold compile takes a minute or more; a cache hit, seconds)")
     request = exec_pb2.LoadModelRequest(name=model, model=common_pb2.ModelSpec(preset=model),
                                         config=common_pb2.CompileConfig(device=device))
+    sizing = None
+    # Read to the stream's end, past the ready event: the call (and its client span) ends here, inside the demo's
+    # root span, not when the abandoned stream is collected after the generates.
     async for event in stub.LoadModel(request):
         if event.HasField("ready"):
-            s = event.ready
-            _say(f"ready: {s.runtime_mode} on {s.device}, {s.num_kv_blocks} KV blocks of {s.block_size} tokens, "
-                 f"bundle {s.key.digest[:16] or '-'}")
-            return s
+            sizing = event.ready
+            _say(f"ready: {sizing.runtime_mode} on {sizing.device}, {sizing.num_kv_blocks} KV blocks of "
+                 f"{sizing.block_size} tokens, bundle {sizing.key.digest[:16] or '-'}")
+            continue
         p = event.phase
         if p.progress:
             _say(f"           {p.phase:<20} {p.detail}")
         else:
             _say(f"  {p.seconds:7.2f}s  {p.phase:<20} {p.detail}")
-    raise RuntimeError("LoadModel stream ended before the model was ready")
+    if sizing is None:
+        raise RuntimeError("LoadModel stream ended before the model was ready")
+    return sizing
 
 
 async def _generate_all(stub, model: str, prompts: list[list[int]], max_tokens: int) -> None:

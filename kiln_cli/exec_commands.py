@@ -2,15 +2,25 @@
 
 import argparse
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 from google.protobuf import json_format
 
-from kiln.grpc_server import serve_until_signal
+from kiln.grpc_server import leave_unfinished_workers, serve_until_signal
 from kiln.runtime_mode import RuntimeMode
 from kiln_cli import security_args
-from kiln_cli.compile_commands import add_compile_config_args, client_channel, compile_config, model_spec
+from kiln_cli.compile_commands import (
+    add_compile_config_args,
+    add_shutdown_grace_arg,
+    client_channel,
+    compile_config,
+    model_spec,
+)
 from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
@@ -30,6 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--trusted-keys", default=os.environ.get("KILN_TRUSTED_KEYS"),
                    help="public keys (a PEM file of one or more, or a directory of *.pub) whose signed bundles "
                         "may be loaded")
+    add_shutdown_grace_arg(p)
     security_args.add_server_args(p)
     security_args.add_client_args(p)  # towards the compile service
     p.set_defaults(handler=run_exec_server)
@@ -123,9 +134,10 @@ def run_exec_server(args) -> int:
                                   args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args),
                                   tuple(args.load))
     try:
-        serve_until_signal(lambda: start_exec_server(settings))
+        serve_until_signal(lambda: start_exec_server(settings), args.shutdown_grace_s)
     finally:
         telemetry.shutdown()
+    leave_unfinished_workers()
     return 0
 
 
@@ -150,6 +162,9 @@ def _call(args, work) -> int:
             work(exec_pb2_grpc.ExecServiceStub(channel), out)
         except grpc.RpcError as exc:
             return report_rpc_error(exc)
+        except KeyboardInterrupt:  # closing the channel cancels the call: the server frees what it held
+            print("\ninterrupted", file=sys.stderr)
+            return 130
     return 0
 
 
@@ -182,21 +197,50 @@ def generate_request(args) -> exec_pb2.GenerateRequest:
     return request
 
 
+@contextmanager
+def cancel_on_interrupt(call) -> Iterator[threading.Event]:
+    """Ctrl-C cancels ``call``, whose stream then ends with CANCELLED, rather than raising KeyboardInterrupt inside
+    gRPC's own locks (which printed their traceback). The event says whether it was pressed."""
+    interrupted = threading.Event()
+
+    def cancel(signum, frame) -> None:
+        interrupted.set()
+        call.cancel()
+
+    previous = signal.signal(signal.SIGINT, cancel)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_generate(args) -> int:
     def work(stub, out: Printer):
-        for response in stub.Generate(generate_request(args)):
-            if out.as_json:
-                out.message(response, "")
-            elif response.token_ids:
-                sys.stdout.write(response.text or "".join(f" {t}" for t in response.token_ids))
-                sys.stdout.flush()
-            if response.finish_reason:
-                u = response.usage
-                out.line(f"\n[{FINISH_REASONS.get(response.finish_reason, '?')}] {u.prompt_tokens} prompt + "
-                         f"{u.output_tokens} output tokens, first token {u.time_to_first_token_s * 1000:.1f} ms, "
-                         f"total {u.total_s:.3f} s")
+        call = stub.Generate(generate_request(args))
+        with cancel_on_interrupt(call) as interrupted:
+            try:
+                print_responses(call, out)
+            except grpc.RpcError:
+                if interrupted.is_set():
+                    raise KeyboardInterrupt from None
+                raise
 
     return _call(args, work)
+
+
+def print_responses(responses, out: Printer) -> None:
+    """Tokens as they stream (text where the model has a tokenizer), then one line of usage."""
+    for response in responses:
+        if out.as_json:
+            out.message(response, "")
+        elif response.token_ids:
+            sys.stdout.write(response.text or "".join(f" {t}" for t in response.token_ids))
+            sys.stdout.flush()
+        if response.finish_reason:
+            u = response.usage
+            out.line(f"\n[{FINISH_REASONS.get(response.finish_reason, '?')}] {u.prompt_tokens} prompt + "
+                     f"{u.output_tokens} output tokens, first token {u.time_to_first_token_s * 1000:.1f} ms, "
+                     f"total {u.total_s:.3f} s")
 
 
 def run_models(args) -> int:

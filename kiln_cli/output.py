@@ -4,7 +4,11 @@ import json
 import sys
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+
+_INT64_TYPES = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+                FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
 
 
 class Printer:
@@ -16,7 +20,7 @@ class Printer:
     def message(self, msg, text: str) -> None:
         """Print a protobuf message as JSON, or ``text`` for a person."""
         if self.as_json:
-            print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True)), flush=True)
+            print(json.dumps(message_dict(msg)), flush=True)
         else:
             self.line(text)
 
@@ -40,6 +44,26 @@ class Printer:
         if self._bar_open:
             sys.stdout.write("\n")
             self._bar_open = False
+
+
+def message_dict(msg) -> dict:
+    """A message as JSON-ready values, with 64-bit integers as numbers: protobuf's JSON mapping writes them as
+    strings, which every consumer of ``--json`` would then have to parse back."""
+    return _int64_as_numbers(msg.DESCRIPTOR, MessageToDict(msg, preserving_proto_field_name=True))
+
+
+def _int64_as_numbers(descriptor: Descriptor, values: dict) -> dict:
+    for field in descriptor.fields:
+        if field.name not in values:
+            continue
+        value = values[field.name]
+        if field.type in _INT64_TYPES:
+            values[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
+        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for item in value if field.is_repeated else [value]:
+                if isinstance(item, dict):
+                    _int64_as_numbers(field.message_type, item)
+    return values
 
 
 def report_rpc_error(exc: grpc.RpcError) -> int:

@@ -1,12 +1,14 @@
 """ExecService over gRPC: LoadModel (streamed phases), UnloadModel, ListModels, Generate (streamed), GetForwardStats.
 
 Every model's readiness is in the health service under ``kiln.v1.ExecService/<model name>``: NOT_SERVING while
-it loads or after a failed load, SERVING once it is ready.
+it loads or after a failed load, SERVING once it is ready, NOT_FOUND once unloaded (as for a name never loaded).
+At shutdown, requests still running when the grace ends are ended with UNAVAILABLE, saying why.
 """
 
 import asyncio
 import gc
 import logging
+import time
 
 import torch
 
@@ -17,8 +19,8 @@ from exec_service.api.served_model import ServedModel
 from exec_service.startup.fetch import BundleFetcher
 from exec_service.startup.load_model import LoadTarget, StartedModel, start_model
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
-from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, first_line, quote
-from kiln.grpc_server import ProgressEvents, Server, status_errors
+from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, Unavailable, first_line, quote
+from kiln.grpc_server import ProgressEvents, Server, in_worker_thread, status_errors
 from kiln.model_roots import ModelRoots
 from protos import exec_pb2, exec_pb2_grpc
 
@@ -43,9 +45,11 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
     async def LoadModel(self, request, context):
         served, target = await self._begin_load(request)
         progress = ProgressEvents()
+        remaining = context.time_remaining()  # the client's deadline bounds the calls to the compile service
+        deadline = None if remaining is None else time.monotonic() + remaining
         # A task of its own: the load completes (or fails) and updates the model even if this client goes away. Task
         # and thread run in copies of this context, so the startup spans are children of this call's server span.
-        load = asyncio.ensure_future(self._load(served, target, progress.emit))
+        load = asyncio.ensure_future(self._load(served, target, progress.emit, deadline))
         async for phase in progress.until_done(load):
             yield exec_pb2.LoadModelEvent(phase=messages.startup_phase_message(phase))
         yield exec_pb2.LoadModelEvent(ready=messages.model_sizing_message(load.result().sizing))
@@ -68,9 +72,11 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         await self.server.set_serving(health_name(target.name), False)
         return served, target
 
-    async def _load(self, served: ServedModel, target: LoadTarget, emit) -> StartedModel:
+    async def _load(self, served: ServedModel, target: LoadTarget, emit, deadline: float | None = None
+                    ) -> StartedModel:
         try:
-            started = await asyncio.to_thread(start_model, target, self.fetcher, self.telemetry.step_observers, emit)
+            started = await in_worker_thread(start_model, target, self.fetcher, self.telemetry.step_observers, emit,
+                                             deadline)
         except Exception as exc:
             served.state = exec_pb2.MODEL_STATE_FAILED
             served.error = str(exc) if isinstance(exc, KilnError) else first_line(exc)
@@ -87,7 +93,7 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         if served.state == exec_pb2.MODEL_STATE_LOADING:
             raise FailedPrecondition(f"name: {quote(request.name)} is still loading; unload it once LoadModel ends")
         del self.models[request.name]
-        await self.server.set_serving(health_name(request.name), False)
+        await self.server.forget(health_name(request.name))
         if served.started is not None:
             await asyncio.to_thread(_release, served)
         log.info("%s: unloaded", request.name)
@@ -122,6 +128,15 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
         if request.model and not stats and request.model not in self.models:
             raise NotFound(f"model: no model named {quote(request.model)}")
         return messages.forward_stats_response(stats)
+
+    async def end_streams(self, grace: float) -> None:
+        """The shutdown grace has ended: end every request still running or waiting with UNAVAILABLE, so its
+        client knows to retry elsewhere (and has every token sent so far)."""
+        error = Unavailable(f"model: the exec service is shutting down and this request did not finish within its "
+                            f"shutdown grace of {grace:.0f} s; retry it on another replica")
+        engines = [m.started.engine for m in self.models.values() if m.started is not None]
+        log.warning("shutdown grace over: ending the requests of %d models with UNAVAILABLE", len(engines))
+        await asyncio.gather(*(asyncio.to_thread(engine.stop, error) for engine in engines))
 
     def _model(self, name: str, field: str) -> ServedModel:
         served = self.models.get(name)
