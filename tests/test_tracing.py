@@ -208,7 +208,8 @@ def test_init_tracing_exports_forward_spans_and_the_histogram(otlp_receiver):
         context = request.get_span_context()
         print(json.dumps({"enabled": telemetry.enabled, "trace_id": f"{context.trace_id:032x}",
                           "span_id": f"{context.span_id:016x}"}))
-    """, otel_env(otlp_receiver.endpoint, OTEL_SERVICE_NAME="exec-renamed", KILN_FORWARD_SPAN_RATIO="0.5"))
+    """, otel_env(otlp_receiver.endpoint, OTEL_SERVICE_NAME="exec-renamed", KILN_FORWARD_SPAN_RATIO="0.5",
+                  OTEL_EXPORTER_OTLP_METRICS_ENDPOINT=otlp_receiver.endpoint))
     assert out["enabled"]
     forward = sorted((s for s in otlp_receiver.spans() if s.attributes.get(spans.MODEL) == "metric-model"),
                      key=lambda s: s.start_ns)

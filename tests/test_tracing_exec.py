@@ -36,7 +36,8 @@ ROOT = "client load and generate"
 def traced_services(otlp_receiver, tmp_path_factory):
     """Both services as `kiln` child processes, fresh store and exec cache, tracing (and metrics) to the receiver."""
     workdir = tmp_path_factory.mktemp("traced-services")
-    env = otel_env(otlp_receiver.endpoint, KILN_FORWARD_SPAN_RATIO="1.0", OTEL_METRIC_EXPORT_INTERVAL="200")
+    env = otel_env(otlp_receiver.endpoint, KILN_FORWARD_SPAN_RATIO="1.0", OTEL_METRIC_EXPORT_INTERVAL="200",
+                   OTEL_METRICS_EXPORTER="otlp")
     services = LocalServices(workdir, workdir / "store", env)
     try:
         services.start(timeout=120)

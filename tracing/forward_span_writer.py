@@ -13,6 +13,7 @@ Messages, in the order the serving process sent them (a request starts before an
 
 import logging
 import signal
+from collections import OrderedDict
 from multiprocessing.connection import Connection
 
 from opentelemetry import context, metrics, trace
@@ -31,6 +32,9 @@ DURATION_BUCKETS_MS = (0.25, 0.5, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 4
                        2500, 5000)
 
 REQUEST_STARTED, REQUEST_ENDED, STEP = "started", "ended", "step"
+# Contexts of requests that ended, kept for the steps still to come that served them: a request cancelled while
+# its last step runs ends before that step's message is sent, and that step's span still belongs in its trace.
+ENDED_KEPT = 4096
 
 
 class ForwardSpanWriter:
@@ -70,27 +74,50 @@ def serve(messages: Connection, resource_attributes: dict, log_level: int) -> No
     writer = ForwardSpanWriter(
         telemetry.tracer_provider.get_tracer("kiln") if telemetry.tracer_provider else trace.NoOpTracer(),
         telemetry.meter_provider.get_meter("kiln") if telemetry.meter_provider else metrics.NoOpMeter("kiln"))
-    live: dict[str, SpanContext] = {}  # request id -> its span's context, while the request runs
+    known = _RequestContexts()
     try:
         while (batch := _receive(messages)) is not None:
             for message in batch:
                 kind = message[0]
                 if kind == REQUEST_STARTED:
                     _, request_id, trace_id, span_id, flags = message
-                    live[request_id] = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+                    known.started(request_id, SpanContext(trace_id, span_id, is_remote=True,
+                                                          trace_flags=TraceFlags(flags)))
                 elif kind == REQUEST_ENDED:
-                    live.pop(message[1], None)
+                    known.ended(message[1])
                 else:
                     _, step, sampled = message
-                    _write(writer, step, step.request_ids if sampled else None, live)
+                    _write(writer, step, step.request_ids if sampled else None, known)
     finally:
         telemetry.shutdown()
 
 
+class _RequestContexts:
+    """Request id -> its span's context: every running request, and the last ENDED_KEPT that ended."""
+
+    def __init__(self):
+        self._live: dict[str, SpanContext] = {}
+        self._ended: OrderedDict[str, SpanContext] = OrderedDict()
+
+    def started(self, request_id: str, context: SpanContext) -> None:
+        self._live[request_id] = context
+
+    def ended(self, request_id: str) -> None:
+        context = self._live.pop(request_id, None)
+        if context is not None:
+            self._ended[request_id] = context
+            if len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+
+    def get(self, request_id: str) -> SpanContext | None:
+        return self._live.get(request_id) or self._ended.get(request_id)
+
+
 def _write(writer: ForwardSpanWriter, step: StepRecord, request_ids: tuple[str, ...] | None,
-           live: dict[str, SpanContext]) -> None:
-    """Ids with no live request (ended before the step's message came) get no link."""
-    served = None if request_ids is None else [live[r] for r in request_ids if r in live]
+           known: _RequestContexts) -> None:
+    """Ids of requests whose span this process never heard of (tracing off for them) get no link."""
+    contexts = None if request_ids is None else [known.get(r) for r in request_ids]
+    served = None if contexts is None else [c for c in contexts if c is not None]
     try:
         writer.write(step, served)
     except Exception:  # noqa: BLE001 - one bad step does not end the others' spans

@@ -1,21 +1,19 @@
 """gRPC server and client spans with W3C trace-context propagation, so client -> exec -> compile is one trace.
 
-Uses opentelemetry-instrumentation-grpc. With no tracer provider installed (tracing off) servers get no
-interceptor and channels stay plain: nothing is paid per call.
+Client spans come from opentelemetry-instrumentation-grpc, server spans from tracing.grpc_server_spans (which says
+why). With no tracer provider installed (tracing off) servers get no interceptor and channels stay plain: nothing
+is paid per call.
 """
 
 from collections.abc import Sequence
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.instrumentation.grpc import (
-    aio_client_interceptors,
-    aio_server_interceptor,
-    client_interceptor,
-    filters,
-)
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, client_interceptor, filters
 from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 from opentelemetry.trace import TracerProvider
+
+from tracing.grpc_server_spans import ServerSpans
 
 # Health checks and reflection would be a span each, and tell nothing about a compile or a request.
 _TRACED_CALLS = filters.negate(filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection")))
@@ -27,7 +25,7 @@ def _tracing_on(tracer_provider: TracerProvider | None) -> bool:
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """For a grpc.aio server: a server span per call, continuing the caller's trace. Call after init_tracing."""
-    return [aio_server_interceptor(filter_=_TRACED_CALLS)] if _tracing_on(None) else []
+    return [ServerSpans(trace.get_tracer("kiln.grpc"), _TRACED_CALLS)] if _tracing_on(None) else []
 
 
 def instrumented_channel(address: str, options: Sequence = (), tracer_provider: TracerProvider | None = None,

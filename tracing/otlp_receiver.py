@@ -39,6 +39,8 @@ class ReceivedSpan:
     attributes: dict
     resource: dict
     links: list[tuple[str, str]] = field(default_factory=list)  # (trace_id, span_id)
+    status: tuple[str, str] = ("UNSET", "")  # (UNSET / OK / ERROR, message)
+    events: list[tuple[str, dict]] = field(default_factory=list)  # (name, attributes)
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_grpc.MetricsServiceServicer):
@@ -60,7 +62,10 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer, metrics_service_
                     parent_span_id=s.parent_span_id.hex(), kind=trace_pb2.Span.SpanKind.Name(s.kind).removeprefix(
                         "SPAN_KIND_"), start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
                     attributes=_attributes(s.attributes), resource=_attributes(rs.resource.attributes),
-                    links=[(link.trace_id.hex(), link.span_id.hex()) for link in s.links])
+                    links=[(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
+                    status=(trace_pb2.Status.StatusCode.Name(s.status.code).removeprefix("STATUS_CODE_"),
+                            s.status.message),
+                    events=[(e.name, _attributes(e.attributes)) for e in s.events])
                 for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans
             ]
             with self._lock:

@@ -1,9 +1,10 @@
 """Tracing and metrics for a Kiln process, from the standard OpenTelemetry environment variables.
 
-OTLP over gRPC to OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]ENDPOINT; OTEL_{TRACES,METRICS}_EXPORTER=none turns one
-signal off (Jaeger takes no metrics). With no endpoint nothing is installed, so every span is the API's no-op
-one. Export runs on the SDK's own threads behind a bounded queue: a collector that is down or slow costs dropped
-spans, never serving time.
+Traces go over OTLP/gRPC to OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT (OTEL_TRACES_EXPORTER=none turns them off).
+Metrics are off unless asked for: OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, or OTEL_METRICS_EXPORTER=otlp with the
+shared endpoint. The shared endpoint alone is usually Jaeger, which takes traces only and would refuse every
+metrics export. With no endpoint nothing is installed, so every span is the API's no-op one. Export runs on the
+SDK's own threads behind a bounded queue: a collector that is down or slow costs dropped spans, never serving time.
 """
 
 import logging
@@ -104,10 +105,14 @@ def exporting_telemetry(resource: Resource) -> Telemetry:
 
 
 def _endpoint(signal: str) -> str:
-    """Where ``signal`` goes; empty when it is off."""
-    if os.environ.get(f"OTEL_{signal}_EXPORTER", "otlp").lower() == "none":
+    """Where ``signal`` goes; empty when it is off. Metrics need their own endpoint or an explicit exporter."""
+    exporter = os.environ.get(f"OTEL_{signal}_EXPORTER", "").lower()
+    own = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT", "")
+    if exporter == "none":
         return ""
-    return os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if own or signal == "TRACES" or exporter == "otlp":
+        return own or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    return ""
 
 
 def _timeout(signal: str) -> float | None:

@@ -1,6 +1,7 @@
 """A GenerateRequest checked at the edge: its prompt as token ids and its sampling params, errors naming fields."""
 
 import math
+import struct
 
 from exec_service.engine.sequence import SamplingParams
 from kiln.errors import InvalidArgument
@@ -35,10 +36,10 @@ def sampling_params(request: exec_pb2.GenerateRequest, vocab_size: int) -> Sampl
     max_tokens = request.max_tokens if request.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if max_tokens <= 0:
         raise InvalidArgument(f"max_tokens: {max_tokens} must be positive")
-    temperature = request.temperature if request.HasField("temperature") else 1.0
+    temperature = as_sent(request.temperature) if request.HasField("temperature") else 1.0
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InvalidArgument(f"temperature: {temperature} must be a finite number >= 0")
-    top_p = request.top_p if request.HasField("top_p") else 1.0
+    top_p = as_sent(request.top_p) if request.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
         raise InvalidArgument(f"top_p: {top_p} is outside (0, 1]")
     if request.top_k < 0:
@@ -50,3 +51,15 @@ def sampling_params(request: exec_pb2.GenerateRequest, vocab_size: int) -> Sampl
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=request.top_k,
         seed=request.seed if request.HasField("seed") else None, stop_token_ids=frozenset(request.stop_token_ids),
         ignore_eos=request.ignore_eos)
+
+
+def as_sent(value: float) -> float:
+    """A proto ``float`` as the client wrote it: the shortest decimal with the same float32 (0.8, not the
+    0.800000011920929 that float32 widens to), so sampling, spans and logs all see the number that was sent."""
+    if not math.isfinite(value):
+        return value
+    for digits in range(1, 10):
+        shortest = float(f"{value:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", shortest))[0] == value:
+            return shortest
+    return value
