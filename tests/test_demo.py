@@ -65,3 +65,14 @@ def test_demo_traces_to_the_otlp_endpoint(demo, otlp):
     assert {"/kiln.v1.ExecService/LoadModel", "/kiln.v1.ExecService/Generate"} <= calls, calls
     compile_spans = {s.name for s in otlp.spans() if s.resource.get("service.name") == "kiln-compile"}
     assert {"compile", "trace", "split", "inductor", "save"} <= compile_spans, compile_spans
+
+
+def test_demo_load_model_call_ends_inside_its_root_before_the_generates(demo, otlp):
+    """The client's LoadModel span is read to its end: it closes before the first Generate, inside the root."""
+    (root,) = otlp.wait_for(lambda r: [s for s in r.spans() if s.name == "kiln demo"])
+    calls = [s for s in otlp.spans(root.trace_id) if s.kind == "CLIENT"]
+    (load,) = [s for s in calls if s.name == "/kiln.v1.ExecService/LoadModel"]
+    generates = [s for s in calls if s.name == "/kiln.v1.ExecService/Generate"]
+    assert len(generates) == 4
+    assert root.start_ns <= load.start_ns <= load.end_ns <= min(s.start_ns for s in generates)
+    assert max(s.end_ns for s in calls) <= root.end_ns

@@ -360,8 +360,9 @@ def test_unload(exec_stub, exec_channel):
     exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-unload"))
     assert "tiny-unload" not in [m.name for m in exec_stub.ListModels(exec_pb2.ListModelsRequest()).models]
     health = health_pb2_grpc.HealthStub(exec_channel)
-    assert health.Check(health_pb2.HealthCheckRequest(service="kiln.v1.ExecService/tiny-unload")).status == \
-        health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as exc:  # as for a name never loaded: the health protocol's NOT_FOUND
+        health.Check(health_pb2.HealthCheckRequest(service="kiln.v1.ExecService/tiny-unload"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
     for call in (lambda: generate(exec_stub, "tiny-unload", [1]),
                  lambda: exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-unload"))):
         with pytest.raises(grpc.RpcError) as exc:
