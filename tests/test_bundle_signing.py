@@ -1,6 +1,7 @@
 """Signed bundles through a real execute service: every way a store writer can tamper with a bundle is refused on
 LoadModel naming the key and the signer (FAILED_PRECONDITION for a signature that does not verify, DATA_LOSS for a
-file that differs from its signed sha256), its payload never runs, and the server goes on serving. The bundle is the session's compiled tiny model, copied into a store of the test's own."""
+file that differs from its signed sha256), its payload never runs, and the server goes on serving. The bundle is
+the session's compiled tiny model, copied into a store of the test's own."""
 
 import json
 import pickle
