@@ -160,7 +160,9 @@ def test_load_model_waits_for_a_compile_service_that_comes_back(compile_store, t
             started = time.monotonic()
             error = rpc_error(lambda: list(stub.LoadModel(exec_pb2.LoadModelRequest(
                 name="tiny-4", model=TINY_MODEL, config=config(compile_sizes=[4])), timeout=3)))
-            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 8
+            # The client's deadline, or the server's wait bounded by it answering first: either way, at 3 s.
+            assert error.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), error.details()
+            assert time.monotonic() - started < 8
     finally:
         compile_service.kill()
         server.stop()

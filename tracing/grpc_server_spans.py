@@ -8,6 +8,7 @@ the message the client read; a call cancelled or past its deadline before it fin
 """
 
 import asyncio
+import inspect
 from collections.abc import Callable
 
 import grpc
@@ -39,10 +40,10 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream is not None:
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer)
-        return handler  # Kiln serves no client-streaming calls
+        return handler  # Kiln serves no client-streaming calls, and streams only from async generators
 
     def _start(self, method: str, servicer_context) -> trace.Span:
         carrier = {m.key: m.value for m in servicer_context.invocation_metadata() or ()}
