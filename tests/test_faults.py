@@ -498,7 +498,7 @@ def test_json_output_prints_counts_as_numbers(exec_server, exec_stub, tiny_loade
 
 def test_gpu_tests_collect_without_the_test_extra(tmp_path):
     """What `pip install -e .` leaves out of the test extra, made unimportable; `pytest -m gpu` still collects."""
-    for module in ("jsonschema", "check_jsonschema", "grpc_tools"):
+    for module in ("jsonschema", "check_jsonschema", "grpc_tools", "kubernetes_validate"):
         (tmp_path / module).mkdir()
         (tmp_path / module / "__init__.py").write_text(f"raise ImportError('{module} is in the test extra')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
