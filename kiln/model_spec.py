@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from kiln import model_features
 from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.model_roots import ModelRoots
 from protos import common_pb2
@@ -40,9 +41,6 @@ PRESETS: dict[str, dict] = {
         use_sliding_window=False,
     ),
 }
-
-# Decoder families whose HF attention goes through the AttentionInterface with a layer_idx, as Kiln's op needs.
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,7 +96,9 @@ def resolve(spec: common_pb2.ModelSpec, device: str, roots: ModelRoots | None = 
         name = raw.get("model_type", "model")
     else:
         raise InvalidArgument("model: set one of preset, hf_dir or config_json")
-    return ResolvedModel(name=name, config=_build_config(raw), dtype=_dtype(spec.dtype, device), hf_dir=hf_dir)
+    config = _build_config(raw)
+    model_features.check(config, device)
+    return ResolvedModel(name=name, config=config, dtype=_dtype(spec.dtype, device), hf_dir=hf_dir)
 
 
 def _parse_json(text: str, field: str) -> dict:
@@ -113,10 +113,11 @@ def _parse_json(text: str, field: str) -> dict:
 
 def _build_config(raw: dict) -> PretrainedConfig:
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise InvalidArgument(
-            f"model config: model_type {quote(model_type)} is not a supported decoder architecture; "
-            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    if model_type not in model_features.FAMILIES:
+        moe = model_features.is_mixture_of_experts(model_type)
+        kind = "a mixture-of-experts model" if moe else "not a supported decoder architecture"
+        supported = ", ".join(sorted(model_features.FAMILIES))
+        raise InvalidArgument(f"model config: model_type {quote(model_type)} is {kind}; supported: {supported}")
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(model_type, **fields)
