@@ -22,7 +22,8 @@ Check = Callable[[PretrainedConfig, str], str | None]
 # Rope types whose frequencies are fixed at init. "dynamic" and "longrope" recompute them from the longest position
 # in the step, which in a batch of several sequences is another sequence's length: refused.
 HONOURED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-ATTENTION_LAYER_TYPES = ("full_attention",)
+# Kiln's attention op takes each layer's window: local (sliding) and global layers may alternate.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # PretrainedConfig's own fields and the generation/training settings every family shares: none changes the logits
 # of an eval-mode forward (dropout is off in eval; the token ids are the client's to send).
@@ -46,7 +47,7 @@ REFUSED_EXTRAS = {
     "quantization_config": "quantized checkpoints are not supported; serve the unquantized weights",
 }
 
-MAX_CUDA_HEAD_DIM = 256  # the Triton kernels hold one head in registers
+MAX_CUDA_HEAD_DIM = 256  # the Triton kernels hold a tile of one head and its fp32 accumulator in registers
 
 
 def _rope_types(config: PretrainedConfig) -> dict[str, str]:
@@ -69,14 +70,15 @@ def _rope(config: PretrainedConfig, device: str) -> str | None:
 def _layer_types(config: PretrainedConfig, device: str) -> str | None:
     unknown = sorted({t for t in config.layer_types or () if t not in ATTENTION_LAYER_TYPES})
     if unknown:
-        return (f"layer types {', '.join(map(repr, unknown))} are not implemented (sliding_window, "
-                f"use_sliding_window and max_window_layers decide them); honoured: {', '.join(ATTENTION_LAYER_TYPES)}")
+        return (f"layer types {', '.join(map(repr, unknown))} are not implemented; "
+                f"honoured: {', '.join(ATTENTION_LAYER_TYPES)}")
     return None
 
 
-def _no_sliding_window(config: PretrainedConfig, device: str) -> str | None:
-    if config.sliding_window is not None:
-        return f"sliding-window attention ({config.sliding_window} tokens) is not implemented; set it to null"
+def _sliding_window(config: PretrainedConfig, device: str) -> str | None:
+    window = config.sliding_window
+    if window is not None and (not isinstance(window, int) or window < 1):
+        return "a sliding window is a number of tokens, at least 1 (null for none)"
     return None
 
 
@@ -110,16 +112,17 @@ class Family:
         return set(HONOURED | self.honoured | NEUTRAL | self.neutral | self.checks().keys())
 
 
-_QWEN_WINDOWS = {"use_sliding_window": None, "max_window_layers": None}  # honoured through the layer types they set
+# Sliding-window layers: the window, and the layer types that say which layers are local.
+_WINDOWED = {"sliding_window": _sliding_window, "layer_types": _layer_types}
+# Qwen's switch and the first local layer: honoured through the layer types they set.
+_QWEN_WINDOWS = frozenset({"use_sliding_window", "max_window_layers"})
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("llama", "Llama", honoured=frozenset({"attention_bias", "mlp_bias"}),
            neutral=frozenset({"pretraining_tp"})),  # declared, but transformers 5's Llama never reads it
-    Family("mistral", "Mistral", conditional={"sliding_window": _no_sliding_window}),
-    Family("qwen2", "Qwen2", honoured=frozenset(_QWEN_WINDOWS) | {"sliding_window"},
-           conditional={"layer_types": _layer_types}),
-    Family("qwen3", "Qwen3", honoured=frozenset(_QWEN_WINDOWS) | {"sliding_window", "attention_bias"},
-           conditional={"layer_types": _layer_types}),
+    Family("mistral", "Mistral", conditional={"sliding_window": _sliding_window}),
+    Family("qwen2", "Qwen2", honoured=_QWEN_WINDOWS, conditional=_WINDOWED),
+    Family("qwen3", "Qwen3", honoured=_QWEN_WINDOWS | {"attention_bias"}, conditional=_WINDOWED),
 ]}
 
 

@@ -81,6 +81,9 @@ REFUSED = [
     (dict(TINY, model_type="llama", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),
      "quantization_config", "quantized"),
     (dict(TINY, model_type="llama", head_dim=512), "head_dim", "CUDA"),
+    (dict(TINY, model_type="mistral", sliding_window=0), "sliding_window", "at least 1"),
+    (dict(TINY, model_type="qwen2", layer_types=["full_attention", "chunked_attention"]), "layer_types",
+     "'chunked_attention'"),
 ]
 
 
@@ -110,6 +113,8 @@ def test_an_unreviewed_field_is_served_at_its_default_only():
 
 def test_honoured_configs_resolve():
     for raw in [dict(TINY, model_type="mistral", sliding_window=None),
+                dict(TINY, model_type="mistral", sliding_window=4096),
+                dict(TINY, model_type="qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1),
                 dict(TINY, model_type="llama", rope_scaling=dict(rope_type="linear", factor=2.0)),
                 dict(TINY, model_type="qwen2", use_sliding_window=False, tie_word_embeddings=True),
                 dict(TINY, model_type="llama", attention_bias=True, mlp_bias=True, sliding_window=8)]:
