@@ -82,6 +82,19 @@ def _sliding_window(config: PretrainedConfig, device: str) -> str | None:
     return None
 
 
+def _causal(config: PretrainedConfig, device: str) -> str | None:
+    if config.use_bidirectional_attention:
+        return "bidirectional attention (an embedding model's) is not implemented; Kiln serves causal decoders"
+    return None
+
+
+def _no_attention_softcap(config: PretrainedConfig, device: str) -> str | None:
+    if config.attn_logit_softcapping is not None:
+        return ("transformers' Gemma 3 stores this cap but never applies it; Kiln refuses it rather than guess "
+                "which of the two you meant (Gemma 3 checkpoints set it to null)")
+    return None
+
+
 def _head_dim(config: PretrainedConfig, device: str) -> str | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if device == "cuda" and head_dim > MAX_CUDA_HEAD_DIM:
@@ -116,6 +129,10 @@ class Family:
 _WINDOWED = {"sliding_window": _sliding_window, "layer_types": _layer_types}
 # Qwen's switch and the first local layer: honoured through the layer types they set.
 _QWEN_WINDOWS = frozenset({"use_sliding_window", "max_window_layers"})
+# Gemma: the MLP's activation, the attention scale (query_pre_attn_scalar ** -0.5), the final logits' cap (applied by
+# kiln.model.FINAL_LOGITS).
+_GEMMA = frozenset({"attention_bias", "hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping"})
+_DROPOUTS = frozenset({"resid_pdrop", "embd_pdrop", "residual_dropout", "embedding_dropout"})  # off in eval
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("llama", "Llama", honoured=frozenset({"attention_bias", "mlp_bias"}),
@@ -123,6 +140,26 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
     Family("mistral", "Mistral", conditional={"sliding_window": _sliding_window}),
     Family("qwen2", "Qwen2", honoured=_QWEN_WINDOWS, conditional=_WINDOWED),
     Family("qwen3", "Qwen3", honoured=_QWEN_WINDOWS | {"attention_bias"}, conditional=_WINDOWED),
+    Family("gemma", "Gemma", honoured=frozenset({"attention_bias"}),
+           conditional={"use_bidirectional_attention": _causal}),
+    Family("gemma2", "Gemma 2", honoured=_GEMMA | {"attn_logit_softcapping"},  # the op's softcap
+           conditional={**_WINDOWED, "use_bidirectional_attention": _causal}),
+    Family("gemma3_text", "Gemma 3 (text)", honoured=_GEMMA,
+           # read by the image-text classes in the same module only, never on Gemma3ForCausalLM's path
+           neutral=frozenset({"image_token_id", "mm_tokens_per_image", "text_config", "vision_config"}),
+           conditional={**_WINDOWED, "use_bidirectional_attention": _causal,
+                        "attn_logit_softcapping": _no_attention_softcap}),
+    Family("phi3", "Phi-3", honoured=frozenset({"original_max_position_embeddings"}), neutral=_DROPOUTS,
+           conditional={"sliding_window": _sliding_window}),
+    Family("olmo2", "OLMo 2", honoured=frozenset({"attention_bias"})),
+    Family("olmo3", "OLMo 3", honoured=frozenset({"attention_bias"}), conditional=_WINDOWED),
+    Family("granite", "Granite", honoured=frozenset({  # logits_scaling by kiln.model.FINAL_LOGITS
+        "attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+        "logits_scaling"})),
+    Family("starcoder2", "StarCoder2", honoured=frozenset({"norm_epsilon", "use_bias"}), neutral=_DROPOUTS,
+           conditional={"sliding_window": _sliding_window}),
+    Family("cohere2", "Cohere 2", honoured=frozenset({"layer_norm_eps", "attention_bias", "logit_scale"}),
+           conditional=_WINDOWED),
 ]}
 
 
