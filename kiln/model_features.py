@@ -160,6 +160,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
            conditional={"sliding_window": _sliding_window}),
     Family("cohere2", "Cohere 2", honoured=frozenset({"layer_norm_eps", "attention_bias", "logit_scale"}),
            conditional=_WINDOWED),
+    Family("ministral", "Ministral", conditional=_WINDOWED),
+    Family("smollm3", "SmolLM3", honoured=frozenset({  # rope-less layers, and the switch for local ones
+        "attention_bias", "mlp_bias", "no_rope_layers", "no_rope_layer_interval", "use_sliding_window"}),
+           conditional=_WINDOWED),
+    Family("exaone4", "EXAONE 4", honoured=frozenset({"sliding_window_pattern"}), conditional=_WINDOWED),
+    Family("helium", "Helium", honoured=frozenset({"attention_bias", "mlp_bias"})),
+    Family("glm4", "GLM-4", honoured=frozenset({"attention_bias"})),
 ]}
 
 

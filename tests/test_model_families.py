@@ -47,6 +47,12 @@ FAMILY_CONFIGS = {
                     logits_scaling=4.0),
     "starcoder2": dict(model_type="starcoder2", sliding_window=WINDOW),
     "cohere2": dict(model_type="cohere2", sliding_window=WINDOW, layer_types=LOCAL_GLOBAL, logit_scale=0.5),
+    "ministral": dict(model_type="ministral", head_dim=16, sliding_window=WINDOW, layer_types=LOCAL_GLOBAL),
+    # Layer 1 has no rope and is local (SmolLM3's pattern, every 2nd layer here).
+    "smollm3": dict(model_type="smollm3", use_sliding_window=True, sliding_window=WINDOW, no_rope_layer_interval=2),
+    "exaone4": dict(model_type="exaone4", sliding_window=WINDOW, sliding_window_pattern=2),
+    "helium": dict(model_type="helium", head_dim=16),
+    "glm4": dict(model_type="glm4", head_dim=16, partial_rotary_factor=0.5),
 }
 # The same weights with one of the family's features switched off: each must change the output of the prompts
 # longer than the window, or the test could not fail when Kiln ignored it.
@@ -60,6 +66,9 @@ FEATURES_OFF = {
     "olmo3": [ALL_GLOBAL],
     "starcoder2": [dict(sliding_window=None)],
     "cohere2": [ALL_GLOBAL],
+    "ministral": [ALL_GLOBAL],
+    "smollm3": [dict(use_sliding_window=False, layer_types=None)],
+    "exaone4": [ALL_GLOBAL],
 }
 # Compiled on CPU: Mistral's pieces equal tiny-llama's, so they hit Inductor's cache (seconds); Gemma 2's are its own
 # (about 40 s on 2 busy cores): softcaps, local/global layers and scaled embeddings through Inductor.
