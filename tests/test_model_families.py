@@ -29,10 +29,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 # model_type -> the config of its tiny model (on top of TINY): each family's own features switched on.
 FAMILY_CONFIGS = {
+    "llama": dict(model_type="llama", attention_bias=True, mlp_bias=True,
+                  rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=256)),
     "mistral": dict(model_type="mistral", sliding_window=WINDOW),
     # Layer 0 global, layers 1 and 2 local: Qwen2's use_sliding_window and max_window_layers.
     "qwen2": dict(model_type="qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
                   max_window_layers=1, tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                  rope_scaling=dict(rope_type="linear", factor=2.0)),
     "gemma": dict(model_type="gemma", **GEMMA),
     # Local then global layer, attention logits capped, final logits capped, scaled embeddings (Gemma's own).
     "gemma2": dict(model_type="gemma2", **GEMMA, query_pre_attn_scalar=16, sliding_window=WINDOW,
@@ -60,6 +64,7 @@ ALL_GLOBAL = dict(layer_types=["full_attention"] * 2)
 FEATURES_OFF = {
     "mistral": [dict(sliding_window=None)],
     "qwen2": [dict(use_sliding_window=False, layer_types=None)],
+    "qwen3": [dict(use_sliding_window=False, layer_types=None)],
     "gemma2": [ALL_GLOBAL, dict(attn_logit_softcapping=None)],
     "gemma3_text": [ALL_GLOBAL],
     "phi3": [dict(sliding_window=None)],
@@ -76,6 +81,12 @@ COMPILED = {"mistral", "gemma2"}
 FAMILY_COMPILE_CONFIG = common_pb2.CompileConfig(device="cpu", max_num_batched_tokens=128)
 PROMPT_LENGTHS = [5, 40, 150]
 MAX_TOKENS = 24
+
+
+def test_every_supported_family_is_tested_here():
+    from kiln.model_features import FAMILIES
+
+    assert set(FAMILY_CONFIGS) == set(FAMILIES)
 
 
 def tiny_model(model_type: str, seed: int = 3):

@@ -6,6 +6,7 @@ import importlib
 import inspect
 import json
 import re
+from pathlib import Path
 
 import grpc
 import pytest
@@ -146,3 +147,23 @@ def test_load_model_refuses_with_the_field_named(exec_stub, raw, name, mode):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"model config {name}=" in err.value.details()
     assert f"refused-{name}" not in {m.name for m in exec_stub.ListModels(exec_pb2.ListModelsRequest()).models}
+
+
+def _readme_rows() -> dict[str, tuple[str, str, str]]:
+    """model_type -> (honoured, refused, CPU test) of the README's Supported models table."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Supported models", 1)[1].split("\n## ", 1)[0]
+    rows = [re.match(r"\| [^|]*\(`(\w+)`\) \|([^|]*)\|([^|]*)\|([^|]*)\|$", line) for line in section.splitlines()]
+    return {m[1]: (m[2], m[3], m[4].strip()) for m in rows if m and m[1] != "model_type"}  # not the header
+
+
+def test_readme_table_matches_the_families_and_their_tests():
+    from test_model_families import COMPILED
+
+    rows = _readme_rows()
+    assert set(rows) == set(model_features.FAMILIES)
+    for model_type, family in model_features.FAMILIES.items():
+        honoured, refused, tested = rows[model_type]
+        assert family.honoured <= set(re.findall(r"`(\w+)`", honoured)), f"{model_type}: honoured fields"
+        assert set(family.conditional) <= set(re.findall(r"`(\w+)`", refused)), f"{model_type}: refused fields"
+        assert tested == ("compiled" if model_type in COMPILED else "eager"), model_type
