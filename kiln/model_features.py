@@ -10,7 +10,7 @@ in none of the three.
 """
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from transformers import PretrainedConfig
 
@@ -178,7 +178,7 @@ def check(config: PretrainedConfig, device: str, families: Mapping[str, Family] 
     """Raise InvalidArgument naming the first field whose value Kiln would not compute as transformers does."""
     family = families[config.model_type]
     declared = declared_fields(type(config))
-    defaults = type(config)()
+    defaults = {f.name: f.default for f in fields(type(config)) if f.default is not MISSING}
     values = config.to_dict()
     for name in sorted(declared | values.keys()):
         if name.startswith("_") or name == "model_type":
@@ -190,7 +190,7 @@ def check(config: PretrainedConfig, device: str, families: Mapping[str, Family] 
             continue
         elif name in REFUSED_EXTRAS:
             reason = REFUSED_EXTRAS[name]
-        elif name in declared and getattr(config, name, None) != getattr(defaults, name, None):
+        elif name in declared and getattr(config, name, None) != defaults.get(name):
             # A field this transformers version has and Kiln has not reviewed: only its default is known to be safe.
             reason = f"Kiln has not reviewed this {family.title} field; only its default is served"
         if reason:
