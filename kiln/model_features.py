@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 from transformers import PretrainedConfig
 
-from kiln.errors import InvalidArgument
+from kiln.errors import InvalidArgument, quote
 
 # (config, device) -> why this value is refused, or None when Kiln honours it.
 Check = Callable[[PretrainedConfig, str], str | None]
@@ -194,13 +194,8 @@ def check(config: PretrainedConfig, device: str, families: Mapping[str, Family] 
             # A field this transformers version has and Kiln has not reviewed: only its default is known to be safe.
             reason = f"Kiln has not reviewed this {family.title} field; only its default is served"
         if reason:
-            raise InvalidArgument(f"model config {name}={_show(getattr(config, name, None))}: {reason} "
+            raise InvalidArgument(f"model config {name}={quote(getattr(config, name, None))}: {reason} "
                                   f"(model_type {config.model_type!r})")
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def is_mixture_of_experts(model_type: object) -> bool:
