@@ -39,7 +39,9 @@ GPU_OVERRIDES = {
 PROMPTS = [prompt_of(n, salt) for salt, n in enumerate([5, 40, 150, 300])]
 COMPARED = 16
 MAX_TOKENS = 24
-BF16_TIE = 0.1  # bf16 has 8 bits of mantissa: logits of a few units round in steps of ~0.03
+# bf16 keeps 8 significant bits: logits between 8 and 16 round in steps of 0.0625, and two kernels' roundings through
+# two layers move a logit by a few steps. A wrong window or cap moves the top token by far more, in some prompt.
+BF16_TIE = 0.25
 
 
 @pytest.fixture(scope="module")
