@@ -3,6 +3,9 @@
 HF models reach it through transformers' AttentionInterface under the name ``kiln``; the paged KV cache and
 the step's metadata come from the forward context. Without a context (a plain call outside the engine) the
 tokens are one causal sequence, which is what the compile service's traces and checks use.
+
+A layer's sliding window and attention-logit soft-cap are arguments of its call: constants of the traced graph,
+one per layer, so local and global layers differ and a captured CUDA graph replays each layer with its own.
 """
 
 import torch
@@ -14,30 +17,53 @@ from kiln.forward_context import current_forward_context
 ATTENTION_IMPLEMENTATION = "kiln"
 ATTENTION_OP_NAME = "kiln::attention"
 
+# Keyword arguments transformers' attention modules pass that do not change what attention computes here:
+# positions are already in q/k (rotary), the cache is Kiln's, dropout is off in eval.
+_NEUTRAL_KWARGS = {"position_ids", "use_cache", "cache", "past_key_values", "cache_position", "output_attentions",
+                   "position_embeddings", "dropout"}
+
 
 @torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for the flattened tokens of a step -> [T, Hq, D]."""
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float, window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the flattened tokens of a step -> [T, Hq, D].
+
+    ``window`` > 0 limits each query to itself and the ``window - 1`` tokens before it; ``softcap`` > 0 caps the
+    logits at ``softcap * tanh(logits / softcap)``.
+    """
     ctx = current_forward_context()
     if ctx is None:
-        return attention_reference.causal_attention(q, k, v, scale).contiguous()
+        return attention_reference.causal_attention(q, k, v, scale, 0, window, softcap).contiguous()
     kv_cache = ctx.kv_caches[layer_idx]
     if q.is_cuda:
         from kiln import attention_triton
 
-        return attention_triton.paged_attention(q, k, v, kv_cache, ctx.metadata, scale)
-    return attention_reference.paged_attention(q, k, v, kv_cache, ctx.metadata, scale)
+        return attention_triton.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap)
+    return attention_reference.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap)
 
 
 @attention.register_fake
-def _(q, k, v, layer_idx, scale):
+def _(q, k, v, layer_idx, scale, window=0, softcap=0.0):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface adapter: HF passes [1, H, T, D]; Kiln's op works on [T, H, D]."""
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
+                  **kwargs):
+    """AttentionInterface adapter: HF passes [1, H, T, D]; Kiln's op works on [T, H, D].
+
+    Anything else a module asks of attention (a non-causal mask, attention sinks, ...) is refused here rather than
+    ignored; kiln.model_features refuses the configs that lead to it before a model is built.
+    """
+    asked = sorted(k for k, v in kwargs.items() if k not in _NEUTRAL_KWARGS and v is not None and v is not False)
+    if asked or not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"Kiln's attention op does not implement {asked or ['non-causal attention']} "
+                                  f"({type(module).__name__})")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = torch.ops.kiln.attention(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), module.layer_idx, float(scaling)
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), module.layer_idx, scale,
+        int(sliding_window or 0), float(softcap or 0.0),
     )
     return out.unsqueeze(0), None
 

@@ -1,4 +1,9 @@
-"""Paged attention in plain torch: the CPU implementation and the reference the GPU kernels are tested against."""
+"""Paged attention in plain torch: the CPU implementation and the reference the GPU kernels are tested against.
+
+Each layer may have its own sliding window (``window`` > 0: a query attends to itself and the ``window - 1``
+tokens before it, as transformers' sliding-window mask does) and its own soft-capping of the attention logits
+(``softcap`` > 0: ``softcap * tanh(logits / softcap)`` before the softmax, as Gemma 2 does).
+"""
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +20,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(kv_cache.dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int = 0) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int = 0, window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """Attention of q [Tq, Hq, D] over k/v [Tk, Hkv, D]; query i sits at context position offset + i."""
     num_q, num_k = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -23,15 +31,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     pos_q = torch.arange(num_q, device=q.device)[:, None] + offset
-    mask = torch.arange(num_k, device=q.device)[None, :] <= pos_q
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale
-    )
+    pos_k = torch.arange(num_k, device=q.device)[None, :]
+    mask = pos_k <= pos_q
+    if window > 0:
+        mask &= pos_k > pos_q - window
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    if softcap > 0:
+        # SDPA has no soft-capping: the eager form transformers' Gemma 2 uses, softmax in float32.
+        logits = torch.matmul(q, k.transpose(1, 2)) * scale
+        logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(0, 1)
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write k/v into the cache, then attend each sequence's queries over its cached context."""
     write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -45,5 +63,5 @@ def paged_attention(
         blocks = meta.block_tables[i, :num_blocks].long()
         keys = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         values = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        out[lo:hi] = causal_attention(q[lo:hi], keys, values, scale, offset=seq_len - (hi - lo))
+        out[lo:hi] = causal_attention(q[lo:hi], keys, values, scale, seq_len - (hi - lo), window, softcap)
     return out

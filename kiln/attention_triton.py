@@ -13,6 +13,11 @@ Same semantics as ``kiln.attention_reference.paged_attention``, in three kernels
   is read from the cache, and queries sit at the end of it (causal). A mixed step's leading one-query sequences
   (``AttentionMetadata.num_decodes``) go to the decode kernels instead.
 
+A layer's sliding window (``window`` > 0) and attention-logit soft-cap (``softcap`` > 0) are kernel arguments, the
+same on every call of that layer, so a captured graph stays right: decode reads only the window's tail of the
+context, prefill skips the tiles before every row's window and masks the ones a window edge crosses. A head_dim
+that is not a power of two (Phi-3's 96) is padded to one inside the kernels, masked on load and store.
+
 Accumulation is in fp32 (fp32 inputs use tf32 dots); the output has q's dtype. Rows of the batch that are CUDA-graph
 padding (sequence length 0) produce zeros.
 """
@@ -24,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kiln.forward_context import AttentionMetadata
+from kiln.model_features import MAX_CUDA_HEAD_DIM
 
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
@@ -57,13 +63,14 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per token: copy its k/v [Hkv, D] into the cache at its slot, unless the slot is < 0."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
-    dims = tl.arange(0, HEAD_DIM)[None, :]
-    mask = (heads < num_kv_heads) & (slot >= 0)
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_kv_heads) & (slot >= 0) & (dims < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
     dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims * stride_cd
@@ -85,23 +92,30 @@ def _attend_tile(
     q_pos,
     kv_head,
     qk_scale,
+    cap_scale,
+    window,
     stride_cb,
     stride_cs,
     stride_ch,
     stride_cd,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step of q's rows over context tokens n0 .. n0 + BLOCK_N, read through the block table.
 
-    MASKED drops tokens at or past ``end`` and, with CAUSAL, those after each row's position ``q_pos``; an
-    unmasked tile must lie wholly before ``end`` and before every row's position.
+    MASKED drops tokens at or past ``end`` and, with CAUSAL, those after each row's position ``q_pos``; with
+    WINDOWED also those ``window`` or more before it. An unmasked tile must lie wholly before ``end``, before every
+    row's position and inside every row's window. Scores are ``dot * qk_scale`` in log2 units; with SOFTCAP they
+    are ``cap_scale * tanh(dot * qk_scale)`` (the caller folds the cap and log2(e) into the two scales).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
     valid = pos < end
     if MASKED:
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -110,16 +124,24 @@ def _attend_tile(
     offs = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     kv_offs = offs[:, None] + dims[None, :] * stride_cd
     if MASKED:
-        k = tl.load(k_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=valid[:, None], other=0.0)
+        kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_cache_ptr + kv_offs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=dims[None, :] < HEAD_DIM, other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_offs)
         v = tl.load(v_cache_ptr + kv_offs)
     scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    if SOFTCAP:
+        scores = cap_scale * (2.0 * tl.sigmoid(2.0 * scores) - 1.0)  # tanh
     if MASKED:
         keep = valid[None, :]
         if CAUSAL:
             keep = keep & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(keep, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
@@ -130,7 +152,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -141,6 +163,8 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    cap_scale,
+    window,
     num_splits,
     stride_qt,
     stride_qh,
@@ -158,10 +182,12 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Attend the query heads of one kv head over one split of one sequence's context.
+    """Attend the query heads of one kv head over one split of one sequence's context (its window's tail of it).
 
     Writes the split's normalised output and its log2-sum-exp (-inf for an empty split) for the reduce kernel.
     """
@@ -171,22 +197,23 @@ def _decode_split_kernel(
     token = tl.load(query_start_loc_ptr + seq)
     has_query = tl.load(query_start_loc_ptr + seq + 1) > token
     seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the one query sits at seq_len - 1
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     groups = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + groups
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
     q = tl.load(
         q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
-        mask=(groups[:, None] < GROUP) & has_query,
+        mask=(groups[:, None] < GROUP) & (dims[None, :] < HEAD_DIM) & has_query,
         other=0.0,
     )
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
@@ -202,15 +229,20 @@ def _decode_split_kernel(
             end,
             kv_head,
             qk_scale,
+            cap_scale,
+            window,
             stride_cb,
             stride_cs,
             stride_ch,
             stride_cd,
             HEAD_DIM,
+            BLOCK_D,
             BLOCK_SIZE,
             BLOCK_N,
             MASKED=True,
             CAUSAL=False,
+            WINDOWED=False,
+            SOFTCAP=SOFTCAP,
         )
 
     nonempty = l_i > 0
@@ -218,7 +250,8 @@ def _decode_split_kernel(
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row_mask = groups < GROUP
     part = part_out_ptr + seq.to(tl.int64) * stride_pob + split * stride_pos
-    tl.store(part + heads[:, None] * stride_poh + dims[None, :], out, mask=row_mask[:, None])
+    out_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    tl.store(part + heads[:, None] * stride_poh + dims[None, :], out, mask=out_mask)
     tl.store(part_lse_ptr + seq.to(tl.int64) * stride_plb + heads * stride_plh + split, lse, mask=row_mask)
 
 
@@ -237,6 +270,7 @@ def _decode_reduce_kernel(
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head) into its output row; zeros when the context is empty."""
@@ -245,14 +279,14 @@ def _decode_reduce_kernel(
     token = tl.load(query_start_loc_ptr + seq)
     has_query = tl.load(query_start_loc_ptr + seq + 1) > token
     splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
     split_mask = splits < num_splits
     lse = tl.load(part_lse_ptr + seq * stride_plb + head * stride_plh + splits, mask=split_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     parts = tl.load(
         part_out_ptr + seq * stride_pob + head * stride_poh + splits[:, None] * stride_pos + dims[None, :],
-        mask=split_mask[:, None],
+        mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
     total = tl.sum(weight, 0)
@@ -260,11 +294,11 @@ def _decode_reduce_kernel(
     tl.store(
         out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
-        mask=has_query,
+        mask=has_query & (dims < HEAD_DIM),
     )
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -274,6 +308,8 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     qk_scale,
+    cap_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -286,11 +322,18 @@ def _prefill_kernel(
     stride_oh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's cached context."""
+    """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's cached context.
+
+    The context splits into three runs of tiles: those a window edge crosses for some row (masked by window and
+    causality), those inside every row's window and before every row (unmasked), and the causal diagonal (masked).
+    Without a window the first run is empty.
+    """
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -304,23 +347,29 @@ def _prefill_kernel(
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
     tokens = (q_start + rows).to(tl.int64)
     q = tl.load(
         q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd,
-        mask=row_mask[:, None],
+        mask=row_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
     q_pos = prefix + rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Every row of the block sees context tokens 0 .. prefix + m_block * BLOCK_M: whole tiles below need no mask.
-    end = tl.minimum(seq_len, prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len))
-    unmasked_end = tl.maximum(prefix + m_block * BLOCK_M + 1, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(0, unmasked_end, BLOCK_N):
+    first_pos = prefix + m_block * BLOCK_M  # the block's first and last rows
+    last_pos = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len) - 1
+    end = tl.minimum(seq_len, last_pos + 1)
+    # Tiles wholly at or before the first row's position need no causal mask.
+    unmasked_end = tl.maximum(first_pos + 1, 0) // BLOCK_N * BLOCK_N
+    # The first tile any row's window reaches, and the first from which every tile is in every row's window.
+    window_start = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
+    window_full = tl.where(window > 0, tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, 0)
+    for n0 in range(window_start, tl.minimum(window_full, end), BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q,
             m_i,
@@ -334,58 +383,111 @@ def _prefill_kernel(
             q_pos,
             kv_head,
             qk_scale,
+            cap_scale,
+            window,
             stride_cb,
             stride_cs,
             stride_ch,
             stride_cd,
             HEAD_DIM,
-            BLOCK_SIZE,
-            BLOCK_N,
-            MASKED=False,
-            CAUSAL=True,
-        )
-    for n0 in range(unmasked_end, end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_cache_ptr,
-            v_cache_ptr,
-            table,
-            n0,
-            end,
-            q_pos,
-            kv_head,
-            qk_scale,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            stride_cd,
-            HEAD_DIM,
+            BLOCK_D,
             BLOCK_SIZE,
             BLOCK_N,
             MASKED=True,
             CAUSAL=True,
+            WINDOWED=True,
+            SOFTCAP=SOFTCAP,
+        )
+    for n0 in range(window_full, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            n0,
+            end,
+            q_pos,
+            kv_head,
+            qk_scale,
+            cap_scale,
+            window,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_cd,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            MASKED=False,
+            CAUSAL=True,
+            WINDOWED=False,
+            SOFTCAP=SOFTCAP,
+        )
+    for n0 in range(tl.maximum(window_full, unmasked_end), end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            n0,
+            end,
+            q_pos,
+            kv_head,
+            qk_scale,
+            cap_scale,
+            window,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_cd,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            BLOCK_N,
+            MASKED=True,
+            CAUSAL=True,
+            WINDOWED=False,
+            SOFTCAP=SOFTCAP,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None],
+        mask=row_mask[:, None] & dim_mask[None, :],
     )
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # TRITON_INTERPRET=1 runs the kernels on CPU tensors (the tests, without a GPU)
+        return 1
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
 
 
 def _decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per sequence for DECODE_WAVES programs per multiprocessor: from shapes only, never this step's lengths."""
-    fill = triton.cdiv(DECODE_WAVES * _sm_count(device.index or 0), batch * num_kv_heads)
+    fill = triton.cdiv(DECODE_WAVES * _sm_count(device), batch * num_kv_heads)
     return max(1, min(fill, MAX_DECODE_SPLITS, triton.cdiv(max_context, MIN_SPLIT_TOKENS)))
+
+
+def _block_d(head_dim: int) -> int:
+    """head_dim padded to what tl.arange and tl.dot take: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _scales(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, cap_scale) for _attend_tile: log2-unit scores, or the cap's tanh argument and its log2 scale."""
+    if softcap > 0:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 1.0
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -405,18 +507,25 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def _decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int, softcap: float,
+    out: torch.Tensor,
+) -> None:
     batch = meta.seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
     group = num_heads // num_kv_heads
-    num_splits = _decode_splits(batch, num_kv_heads, meta.block_tables.shape[1] * block_size, q.device)
+    max_context = meta.block_tables.shape[1] * block_size
+    num_splits = _decode_splits(batch, num_kv_heads, min(max_context, window) if window > 0 else max_context,
+                                q.device)
     part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    qk_scale, cap_scale = _scales(scale, softcap)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -426,7 +535,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         meta.query_start_loc,
         part_out,
         part_lse,
-        scale * LOG2E,
+        qk_scale,
+        cap_scale,
+        window,
         num_splits,
         *q.stride(),
         *k_cache.stride(),
@@ -436,8 +547,10 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N,
+        SOFTCAP=softcap > 0,
         num_warps=4,
         num_stages=2,
     )
@@ -451,18 +564,26 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         *part_lse.stride()[:2],
         *out.stride()[:2],
         HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
         BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=4,
     )
 
 
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+def _prefill(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int, softcap: float,
+    out: torch.Tensor,
+) -> None:
     batch = meta.seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_d = _block_d(head_dim)
     block_m, block_n, num_warps, num_stages = PREFILL_CONFIGS[q.element_size()]
+    if block_d > 128:  # keep the fp32 accumulator of a wide head (Gemma's 256) in registers
+        block_m //= 2
     grid = (triton.cdiv(meta.max_query_len, block_m), batch, num_heads)
+    qk_scale, cap_scale = _scales(scale, softcap)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -471,38 +592,44 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
         meta.seq_lens,
         meta.query_start_loc,
         out,
-        scale * LOG2E,
+        qk_scale,
+        cap_scale,
+        window,
         *q.stride(),
         *k_cache.stride(),
         meta.block_tables.stride(0),
         *out.stride()[:2],
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        SOFTCAP=softcap > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write k/v into the cache, then attend each sequence's queries over its cached context -> [T, Hq, D].
 
     Tokens that belong to no sequence, and those of sequences with an empty context, get zeros.
     """
     head_dim = q.shape[-1]
-    if head_dim != triton.next_power_of_2(head_dim) or head_dim != kv_cache.shape[-1]:
-        raise ValueError(f"head_dim {head_dim} must be a power of two and match the cache's {kv_cache.shape[-1]}")
+    if head_dim > MAX_CUDA_HEAD_DIM or head_dim != kv_cache.shape[-1]:
+        raise ValueError(f"head_dim {head_dim} must be at most {MAX_CUDA_HEAD_DIM} and match the cache's "
+                         f"{kv_cache.shape[-1]}")
     write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if meta.is_decode:
-        _decode(q, kv_cache, meta, scale, out)
+        _decode(q, kv_cache, meta, scale, window, softcap, out)
     else:
         decodes, rest = meta.split_decodes()
         if decodes is not None:
-            _decode(q, kv_cache, decodes, scale, out)
-        _prefill(q, kv_cache, rest, scale, out)
+            _decode(q, kv_cache, decodes, scale, window, softcap, out)
+        _prefill(q, kv_cache, rest, scale, window, softcap, out)
     return out

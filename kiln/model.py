@@ -19,6 +19,22 @@ from kiln.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, 
 from kiln.model_spec import ResolvedModel
 
 
+def _softcapped(config, logits: torch.Tensor) -> torch.Tensor:
+    cap = config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+# What a family's ForCausalLM does to lm_head's output in its forward. Kiln takes logits itself, on the rows that
+# need them only, so it applies the same here (in the model's dtype, as transformers does); kiln.model_features
+# lists these fields as honoured.
+FINAL_LOGITS = {
+    "gemma2": _softcapped,
+    "gemma3_text": _softcapped,
+    "granite": lambda config, logits: logits / config.logits_scaling,
+    "cohere2": lambda config, logits: logits * config.logit_scale,
+}
+
+
 class TokenModel(torch.nn.Module):
     """Flattened tokens of every sequence in a step -> final hidden states, one row per token.
 
@@ -37,7 +53,9 @@ class TokenModel(torch.nn.Module):
         return out.last_hidden_state[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.causal_lm.get_output_embeddings()(hidden).float()
+        logits = self.causal_lm.get_output_embeddings()(hidden)
+        final = FINAL_LOGITS.get(self.config.model_type)
+        return (final(self.config, logits) if final else logits).float()
 
     @property
     def config(self):

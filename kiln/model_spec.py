@@ -8,43 +8,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from kiln import model_features
 from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.model_roots import ModelRoots
+from kiln.presets import PRESETS
 from protos import common_pb2
 
 # A model config is a few KB; past this it is refused before it is parsed (a Compile whose config carried tens of MB
 # of junk once took the compile service past 15 GB of memory while it parsed, copied and hashed it).
 MAX_CONFIG_JSON_BYTES = 1 << 20
-
-PRESETS: dict[str, dict] = {
-    # Small enough for CPU CI: two layers, so two attention calls and three compiled pieces.
-    "tiny-llama": dict(
-        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False,
-    ),
-    "llama-3-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
-    ),
-    "llama-3.2-1b": dict(
-        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=True,
-        rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
-                          original_max_position_embeddings=8192, rope_type="llama3"),
-    ),
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
-        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643, tie_word_embeddings=True,
-        use_sliding_window=False,
-    ),
-}
-
-# Decoder families whose HF attention goes through the AttentionInterface with a layer_idx, as Kiln's op needs.
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,7 +79,9 @@ def resolve(spec: common_pb2.ModelSpec, device: str, roots: ModelRoots | None = 
         name = raw.get("model_type", "model")
     else:
         raise InvalidArgument("model: set one of preset, hf_dir or config_json")
-    return ResolvedModel(name=name, config=_build_config(raw), dtype=_dtype(spec.dtype, device), hf_dir=hf_dir)
+    config = _build_config(raw)
+    model_features.check(config, device)
+    return ResolvedModel(name=name, config=config, dtype=_dtype(spec.dtype, device), hf_dir=hf_dir)
 
 
 def _parse_json(text: str, field: str) -> dict:
@@ -122,10 +96,11 @@ def _parse_json(text: str, field: str) -> dict:
 
 def _build_config(raw: dict) -> PretrainedConfig:
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise InvalidArgument(
-            f"model config: model_type {quote(model_type)} is not a supported decoder architecture; "
-            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+    if model_type not in model_features.FAMILIES:
+        moe = model_features.is_mixture_of_experts(model_type)
+        kind = "a mixture-of-experts model" if moe else "not a supported decoder architecture"
+        supported = ", ".join(sorted(model_features.FAMILIES))
+        raise InvalidArgument(f"model config: model_type {quote(model_type)} is {kind}; supported: {supported}")
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(model_type, **fields)

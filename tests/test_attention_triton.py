@@ -1,8 +1,15 @@
-"""The Triton paged-attention kernels against the plain-torch reference, on random data (GPU only)."""
+"""The Triton paged-attention kernels against the plain-torch reference, on random data.
 
+On the GPU machine: ``python -m pytest -m gpu tests/test_attention_triton.py``. Without a GPU, Triton's interpreter
+runs the same kernels on CPU tensors (slowly; numpy < 2.4 for triton 3.6's interpreter):
+``TRITON_INTERPRET=1 python -m pytest -m gpu tests/test_attention_triton.py -k "small or window or softcap"``.
+"""
+
+import importlib.util
+import os
 import random
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -10,7 +17,11 @@ import torch
 from kiln import attention_reference
 from kiln.forward_context import AttentionMetadata
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED),
+                                                  reason="needs a CUDA device or TRITON_INTERPRET=1 with triton")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 2e-3}
 
@@ -29,6 +40,7 @@ class Case:
     kv_cache: torch.Tensor
     meta: AttentionMetadata
     scale: float
+    layer: dict = field(default_factory=dict)  # the layer's window and softcap
 
 
 def make_case(
@@ -40,7 +52,9 @@ def make_case(
     block_size: int,
     dtype: torch.dtype,
     padding_rows: int = 0,
-    device: str = "cuda",
+    device: str = DEVICE,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Case:
     """A step over sequences whose last ``query_lens[i]`` of ``seq_lens[i]`` context tokens are new.
 
@@ -73,7 +87,7 @@ def make_case(
         num_decodes=next((i for i, n in enumerate(query_lens) if n > 1), len(query_lens)),
     )
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    return Case(q, k, v, kv_cache, meta, head_dim**-0.5)
+    return Case(q, k, v, kv_cache, meta, head_dim**-0.5, dict(window=window, softcap=softcap))
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -84,9 +98,11 @@ def check(case: Case) -> None:
     """Run kernels and reference on copies of one cache; outputs must agree and the caches must be equal."""
     from kiln import attention_triton
 
+    if DEVICE == "cpu" and case.q.dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (numpy has no bfloat16); the GPU runs these")
     ref_cache = case.kv_cache.clone()
-    ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale)
-    out = attention_triton.paged_attention(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+    ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale, **case.layer)
+    out = attention_triton.paged_attention(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale, **case.layer)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert torch.isfinite(out).all()
     assert torch.equal(case.kv_cache, ref_cache)
@@ -167,7 +183,9 @@ def test_write_kv_skips_padding_slots():
     assert torch.equal(flat[:, untouched], before.view_as(flat)[:, untouched])
 
 
-def test_decode_cuda_graph_replay():
+@needs_cuda
+@pytest.mark.parametrize("window", [0, 300])
+def test_decode_cuda_graph_replay(window):
     """Capture one decode step, then replay it with new lengths, block tables, slots and fewer real sequences."""
     from kiln import attention_triton
 
@@ -177,19 +195,19 @@ def test_decode_cuda_graph_replay():
     num_blocks = batch * width
     case = make_case([5] * batch, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype)
     q, k, v, meta = case.q, case.k, case.v, case.meta
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
-    block_tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    block_tables = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
     block_tables[:, :1] = meta.block_tables[:, :1]
     meta.block_tables = block_tables
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        attention_triton.paged_attention(q, k, v, kv_cache, meta, case.scale)
+        attention_triton.paged_attention(q, k, v, kv_cache, meta, case.scale, window)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attention_triton.paged_attention(q, k, v, kv_cache, meta, case.scale)
+        out = attention_triton.paged_attention(q, k, v, kv_cache, meta, case.scale, window)
 
     rng = random.Random(0)
     for num_seqs in (8, 6, 3):
@@ -207,7 +225,7 @@ def test_decode_cuda_graph_replay():
             meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables, 1, num_seqs
         )
         ref_cache = kv_cache.clone()
-        ref = attention_reference.paged_attention(q, k, v, ref_cache, ref_meta, case.scale)
+        ref = attention_reference.paged_attention(q, k, v, ref_cache, ref_meta, case.scale, window)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(kv_cache, ref_cache)
@@ -215,15 +233,74 @@ def test_decode_cuda_graph_replay():
         assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
-def test_attention_op_runs_the_triton_kernels():
+@needs_cuda
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (64, 0.0), (64, 20.0)])
+def test_attention_op_runs_the_triton_kernels(window, softcap):
     """``kiln::attention`` on CUDA inside a forward context reaches these kernels (reference-equal output)."""
     from kiln.attention import attention
     from kiln.forward_context import ForwardContext, forward_context
 
-    case = make_case([700, 90], [100, 1], 16, 4, 128, 16, torch.bfloat16)
+    case = make_case([700, 90], [100, 1], 16, 4, 128, 16, torch.bfloat16, window=window, softcap=softcap)
     ref_cache = case.kv_cache.clone()
-    ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale)
+    ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale, **case.layer)
     with forward_context(ForwardContext(kv_caches=[None, case.kv_cache], metadata=case.meta)):
-        out = attention(case.q, case.k, case.v, 1, case.scale)
+        out = attention(case.q, case.k, case.v, 1, case.scale, window, softcap)
     assert torch.equal(case.kv_cache, ref_cache)
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+# Small enough for Triton's interpreter on CPU; on the GPU they run with the rest.
+SMALL_STEPS = {
+    "small_decode": ([1, 40, 75, 130], [1, 1, 1, 1]),
+    "small_prefill": ([37, 70, 5], [37, 70, 5]),
+    "small_mixed": ([101, 50, 8, 90], [1, 50, 1, 33]),
+}
+
+
+@pytest.mark.parametrize("step", SMALL_STEPS)
+@pytest.mark.parametrize("head_dim", [64, 96, 24])
+def test_small_steps_any_head_dim(step, head_dim):
+    """Phi-3's head_dim 96 and a tiny 24 are padded to a power of two inside the kernels."""
+    seq_lens, query_lens = SMALL_STEPS[step]
+    check(make_case(seq_lens, query_lens, 8, 2, head_dim, 16, torch.float32, padding_rows=2))
+
+
+# Windows shorter than a tile, one token, a block, longer than some contexts; each with and without a prefix.
+WINDOWS = [1, 5, 16, 33, 64, 4096]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("step", SMALL_STEPS)
+def test_small_steps_sliding_window(step, window):
+    seq_lens, query_lens = SMALL_STEPS[step]
+    check(make_case(seq_lens, query_lens, 8, 2, 64, 16, torch.float32, padding_rows=1, window=window))
+
+
+@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("step", SMALL_STEPS)
+def test_small_steps_softcap(step, window):
+    """A cap small against the logits (q, k ~ N(0, 1) give logits of a few units), so it changes the result."""
+    seq_lens, query_lens = SMALL_STEPS[step]
+    check(make_case(seq_lens, query_lens, 8, 4, 64, 16, torch.float32, window=window, softcap=1.5))
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128, 16, torch.bfloat16), (8, 4, 256, 16, torch.bfloat16),
+                                   (16, 8, 96, 32, torch.float16)], ids=str)
+@pytest.mark.parametrize("window", [0, 100, 1024])
+@pytest.mark.parametrize("step", PREFILL_STEPS)
+def test_prefill_sliding_window_and_softcap(shape, step, window):
+    """Local layers as Mistral (window 4096 of long contexts, here shorter) and Gemma 2 (head_dim 256, softcap 50)."""
+    seq_lens, query_lens = PREFILL_STEPS[step]
+    softcap = 50.0 if shape[2] == 256 else 0.0
+    check(make_case(seq_lens, query_lens, *shape, window=window, softcap=softcap))
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES[:4] + [(9, 8, 4, 256, 16, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("window", [1, 100, 1024])
+def test_decode_sliding_window_and_softcap(shape, window):
+    batch, num_heads, num_kv_heads, head_dim, block_size, dtype = shape
+    rng = random.Random(str((shape, window)))
+    seq_lens = [rng.randint(1, 4000) for _ in range(batch)]
+    softcap = 50.0 if head_dim == 256 else 0.0
+    check(make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, padding_rows=2,
+                    window=window, softcap=softcap))

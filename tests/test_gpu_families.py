@@ -1,0 +1,116 @@
+"""On a CUDA device, every supported family through the real servers, compiled and replayed in CUDA graphs: greedy
+output in bfloat16 equal to transformers' ``generate`` for the first 16 tokens.
+
+Each family's tiny model of tests/test_model_families.py, scaled to GPU shapes (hidden 256; Gemma's head_dim 256
+with its caps, Phi-3's 96), saved with ``save_pretrained`` and loaded from that directory. The Triton kernels then
+run every window and cap: prompts shorter and longer than the 16-token window, one longer than a step's budget.
+In bfloat16 two kernels may round a near-tie apart: a first difference is accepted only where transformers' own top
+two logits are within BF16_TIE of each other, and the comparison stops there.
+
+    python -m pytest -m gpu tests/test_gpu_families.py            # ~30 s of compile per family on an H200
+    python -m pytest -m gpu tests/test_gpu_families.py -k "gemma or phi3 or mistral or qwen2"   # a part of them
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from conftest import BackgroundServer
+from test_exec_service import prompt_of
+from test_model_families import FAMILY_CONFIGS, TINY
+
+from kiln.grpc_server import CHANNEL_OPTIONS
+from protos import common_pb2, exec_pb2, exec_pb2_grpc
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+GPU_SHAPES = dict(hidden_size=256, intermediate_size=512, vocab_size=2048, max_position_embeddings=1024)
+# Per family, on top of GPU_SHAPES: real head sizes where the family has its own.
+GPU_OVERRIDES = {
+    "gemma": dict(head_dim=256),
+    "gemma2": dict(head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0),
+    "gemma3_text": dict(head_dim=256, query_pre_attn_scalar=256),
+    "phi3": dict(hidden_size=384),  # head_dim 96
+    "glm4": dict(head_dim=64),
+    "helium": dict(head_dim=64),
+    "ministral": dict(head_dim=64),
+}
+PROMPTS = [prompt_of(n, salt) for salt, n in enumerate([5, 40, 150, 300])]
+COMPARED = 16
+MAX_TOKENS = 24
+# bf16 keeps 8 significant bits: logits between 8 and 16 round in steps of 0.0625, and two kernels' roundings through
+# two layers move a logit by a few steps. A wrong window or cap moves the top token by far more, in some prompt.
+BF16_TIE = 0.25
+
+
+@pytest.fixture(scope="module")
+def gpu_stub(tmp_path_factory):
+    from compile_service.server import start_compile_server
+    from exec_service.server import start_exec_server
+
+    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0"))
+    exec_server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", compile_server.address,
+                                                             cache_dir=tmp_path_factory.mktemp("cache")))
+    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
+    yield exec_pb2_grpc.ExecServiceStub(channel)
+    channel.close()
+    exec_server.stop()
+    compile_server.stop()
+
+
+def gpu_model_dir(model_type: str, path):
+    """The family's model at GPU shapes with seeded random weights, saved by transformers; returns its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {**TINY, **FAMILY_CONFIGS[model_type], **GPU_SHAPES, **GPU_OVERRIDES.get(model_type, {})}
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+
+
+def assert_greedy_equal_up_to_a_tie(reference, prompt: list[int], got: list[int]) -> None:
+    """The first COMPARED tokens equal transformers' greedy ones, or differ first where its top two logits tie."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt], device="cuda")
+        expected = reference.generate(ids, max_new_tokens=COMPARED, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+        for i, (a, b) in enumerate(zip(got[:COMPARED], expected, strict=True)):
+            if a != b:
+                context = torch.tensor([prompt + expected[:i]], device="cuda")
+                top2 = reference(context).logits[0, -1].float().topk(2).values
+                gap = (top2[0] - top2[1]).item()
+                assert gap < BF16_TIE, f"token {i} of a {len(prompt)}-token prompt: {a} != {b}, logit gap {gap:.3f}"
+                return
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_family_bf16_cuda_graphs_match_transformers(gpu_stub, tmp_path, model_type):
+    from transformers import AutoModelForCausalLM
+
+    gpu_model_dir(model_type, tmp_path)
+    name = f"gpu-{model_type}"
+    request = exec_pb2.LoadModelRequest(
+        name=name, model=common_pb2.ModelSpec(hf_dir=str(tmp_path), dtype="bfloat16"), weights=str(tmp_path),
+        config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256), max_model_len=512,
+        max_num_seqs=8, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH, kv_cache_bytes=256 << 20,
+        capture_sizes=[1, 2, 4, 8])
+    events = list(gpu_stub.LoadModel(request))
+    assert events[-1].ready.runtime_mode == "cudagraph"
+
+    def generate(prompt):
+        return [t for r in gpu_stub.Generate(exec_pb2.GenerateRequest(
+            model=name, prompt_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+            for t in r.token_ids]
+
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: decode batches of several sizes
+            outputs = list(pool.map(generate, PROMPTS))
+        reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
+        for prompt, got in zip(PROMPTS, outputs, strict=True):
+            assert len(got) == MAX_TOKENS
+            assert_greedy_equal_up_to_a_tie(reference, prompt, got)
+        stats = gpu_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=name)).stats
+        assert any(s.runtime_mode == "cudagraph" for s in stats)
+    finally:
+        gpu_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
