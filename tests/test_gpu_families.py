@@ -45,13 +45,15 @@ BF16_TIE = 0.25
 
 
 @pytest.fixture(scope="module")
-def gpu_stub(tmp_path_factory):
+def gpu_stub(tmp_path_factory, signer, trusted_keys):
     from compile_service.server import start_compile_server
-    from exec_service.server import start_exec_server
+    from exec_service.server import ExecServerSettings, start_exec_server
 
-    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0"))
-    exec_server = BackgroundServer(lambda: start_exec_server("127.0.0.1:0", compile_server.address,
-                                                             cache_dir=tmp_path_factory.mktemp("cache")))
+    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
+                                                                   signer=signer))
+    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
+                                  cache_dir=tmp_path_factory.mktemp("cache"))
+    exec_server = BackgroundServer(lambda: start_exec_server(settings))
     channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
     yield exec_pb2_grpc.ExecServiceStub(channel)
     channel.close()
