@@ -24,6 +24,7 @@ from kiln.counters import expect_no_compile
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.model import build_model, weights_bytes
 from kiln.model_spec import resolve
+from kiln.signing import TrustedKeys, local_keys_dir
 from protos import common_pb2
 
 BLOCK_SIZE = 16
@@ -84,6 +85,8 @@ def fill_step_buffers(buffers: StepBuffers, ids: torch.Tensor, positions: torch.
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--bundle", required=True, type=Path)
+    p.add_argument("--trusted-keys", type=Path, help="public key(s) the bundle must be signed by (default: the key "
+                   "pair kept beside its store, as kiln demo and kiln bench keep it)")
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--context", type=int, default=1024)
@@ -99,7 +102,8 @@ def main() -> None:
     for cache in caches:
         cache.normal_()
     with expect_no_compile("loading the bundle"):
-        compiled = load_compiled(args.bundle)
+        compiled = load_compiled(args.bundle, args.bundle.name, TrustedKeys.load(
+            args.trusted_keys or local_keys_dir(args.bundle.parent)))
     bandwidth = copy_bandwidth()
     w_bytes = weights_bytes(model)
     config = resolved.config

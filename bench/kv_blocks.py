@@ -17,6 +17,7 @@ from exec_service.startup import kv_sizing
 from kiln.bundle import load_compiled
 from kiln.model import build_model, weights_bytes
 from kiln.model_spec import resolve
+from kiln.signing import TrustedKeys, local_keys_dir
 from protos import common_pb2
 
 
@@ -34,6 +35,8 @@ def peak_bytes(forward, model, tokens: int, rows: int) -> int:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--bundle", required=True, type=Path)
+    p.add_argument("--trusted-keys", type=Path, help="public key(s) the bundle must be signed by (default: the key "
+                   "pair kept beside its store, as kiln demo and kiln bench keep it)")
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--rows", type=int, default=128)
@@ -44,7 +47,8 @@ def main() -> None:
     model = build_model(resolved, "cuda")
     spec = kv_cache.KVCacheSpec.from_config(resolved.config, 16, resolved.dtype)
     eager_peak = peak_bytes(model, model, args.tokens, args.rows)
-    compiled = load_compiled(args.bundle)
+    compiled = load_compiled(args.bundle, args.bundle.name, TrustedKeys.load(
+        args.trusted_keys or local_keys_dir(args.bundle.parent)))
     compiled_peak = peak_bytes(lambda ids, pos: compiled(model, ids, pos), model, args.tokens, args.rows)
     rows = []
     for label, peak in (("eager (Kiln)", eager_peak), ("compiled", compiled_peak)):

@@ -139,6 +139,12 @@ def _public_keys(file: Path) -> list[Ed25519PublicKey]:
     return keys
 
 
+def local_keys_dir(store: Path) -> Path:
+    """Where local services (``kiln demo``, ``kiln bench``, the benches) keep the key pair of a store they made:
+    beside it, so a kept store stays loadable from one run to the next."""
+    return store.parent / f"{store.name}.keys"
+
+
 def generate_key_pair(directory: str | Path, public_directory: str | Path | None = None) -> tuple[Path, Path]:
     """Write ``signing.key`` (owner-only) into ``directory`` and ``signing.pub`` into ``public_directory`` (default:
     the same). An existing key is kept, never overwritten: returns the paths either way."""

@@ -126,11 +126,11 @@ class LocalServices:
     """
 
     def __init__(self, workdir: Path, store: Path, env: dict | None = None):
-        from kiln.signing import generate_key_pair  # cryptography: only where servers are started
+        from kiln.signing import generate_key_pair, local_keys_dir  # cryptography: only where servers are started
 
         compile_port, exec_port = free_port(), free_port()
         env = env if env is not None else child_environment()
-        signing_key, public_key = generate_key_pair(store.parent / f"{store.name}.keys")
+        signing_key, public_key = generate_key_pair(local_keys_dir(store))
         self.compile = ServiceProcess(
             "compile", kiln_command("compile-server", "--host", "127.0.0.1", "--port", str(compile_port),
                                     "--store", str(store), "--signing-key", str(signing_key)),
