@@ -23,14 +23,14 @@ import grpc
 import pytest
 from conftest import TINY_CONFIG, TINY_MODEL
 
-from exec_service.fetch import FetchedBundle, check_factors
+from exec_service.startup.fetch import FetchedBundle, check_factors
 from kiln import bundle, cache_key, compiler_caches
-from kiln.cli.service_process import ServiceProcess, free_port
 from kiln.compile_config import CompileConfig
 from kiln.errors import FailedPrecondition
 from kiln.model import build_model
 from kiln.model_factors import model_config_factors
 from kiln.model_spec import resolve
+from kiln_cli.service_process import ServiceProcess, free_port
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,7 +235,7 @@ def test_new_key_for_another_gpu_simulated(compile_stub, name):
 
 def copy_sources(dest: Path, edit) -> Path:
     """The Kiln packages copied to ``dest``, with ``edit`` applied to the piecewise backend's source."""
-    for package in ("kiln", "compile_service", "tracing", "protos"):
+    for package in ("kiln", "kiln_cli", "compile_service", "exec_service", "tracing", "protos"):
         shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
     backend = dest / "compile_service" / "piecewise_backend.py"
     backend.write_text(edit(backend.read_text()))
@@ -259,7 +259,7 @@ def start_server(name: str, tree: Path, tmp: Path, env: dict) -> ServiceProcess:
     cwd.mkdir()
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "OTEL_", "ATEN_", "OMP_"))}
-    command = f"cd {cwd} && exec {sys.executable} -m kiln.cli compile-server --host 127.0.0.1 --port {port} " \
+    command = f"cd {cwd} && exec {sys.executable} -m kiln_cli compile-server --host 127.0.0.1 --port {port} " \
               f"--store {tmp / f'{name}-store'}"
     server = ServiceProcess(name, ["/bin/sh", "-c", command], f"127.0.0.1:{port}", tmp / f"{name}.log",
                             env={**clean, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **env})
