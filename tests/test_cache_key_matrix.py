@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import TINY_CONFIG, TINY_MODEL
+from conftest import ANOTHER_TORCH, TINY_CONFIG, TINY_MODEL
 
 from exec_service.startup.fetch import FetchedBundle, check_factors
 from kiln import bundle, cache_key, compiler_caches
@@ -97,10 +97,6 @@ SAME_KEY = {
     "device unset on a CPU server": (TINY_MODEL, compile_config(device="")),
     "Inductor patch equal to the default": (TINY_MODEL, compile_config(
         inductor_config_patches_json=json.dumps({"max_autotune": False, "cpp.simdlen": None}))),
-    "Inductor patch torch keeps out of its key": (TINY_MODEL, compile_config(
-        inductor_config_patches_json=json.dumps({"compile_threads": 1, "trace.enabled": True}))),
-    "Inductor patch of a path": (TINY_MODEL, compile_config(
-        inductor_config_patches_json=json.dumps({"aot_inductor.output_path": "/elsewhere"}))),
 }
 
 
@@ -198,7 +194,7 @@ def test_kiln_code_hash_follows_statements_not_comments(tmp_path):
 # ---------------------------------------------------------- versions and GPUs: simulated in-process on the factors
 
 SIMULATED = {
-    "torch": ("environment", "torch", "2.11.0+cu130"),
+    "torch": ("environment", "torch", ANOTHER_TORCH),
     "torch git version": ("environment", "torch_git", "0" * 40),
     "triton": ("environment", "triton", "3.6.0"),
     "python": ("environment", "python", "3.12.3"),
@@ -253,14 +249,14 @@ def edit_statement(source: str) -> str:
     return source.replace(marker, marker + "        self.tuned = False\n", 1)
 
 
-def start_server(name: str, tree: Path, tmp: Path, env: dict) -> ServiceProcess:
+def start_server(name: str, tree: Path, tmp: Path, signing_key: Path, env: dict) -> ServiceProcess:
     """``kiln compile-server`` from the sources in ``tree``, run in its own cwd with ``env`` over a clean one."""
     port, cwd = free_port(), tmp / f"{name}-cwd"
     cwd.mkdir()
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "OTEL_", "ATEN_", "OMP_"))}
     command = f"cd {cwd} && exec {sys.executable} -m kiln_cli compile-server --host 127.0.0.1 --port {port} " \
-              f"--store {tmp / f'{name}-store'}"
+              f"--store {tmp / f'{name}-store'} --signing-key {signing_key}"
     server = ServiceProcess(name, ["/bin/sh", "-c", command], f"127.0.0.1:{port}", tmp / f"{name}.log",
                             env={**clean, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **env})
     server.start()
@@ -268,18 +264,20 @@ def start_server(name: str, tree: Path, tmp: Path, env: dict) -> ServiceProcess:
 
 
 @pytest.fixture(scope="module")
-def other_servers(tmp_path_factory):
+def other_servers(tmp_path_factory, signing_dir):
     """Two compile servers as child processes, started together: one with noise only, one with real factors."""
     tmp = tmp_path_factory.mktemp("key-matrix")
     # Another path to this process's Inductor cache: a cold one would spend ~16 s of CI re-probing the CPU ISA.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     (tmp / "inductor-cache").symlink_to(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
-    noise = start_server("noise", copy_sources(tmp / "noise-src", edit_comment), tmp, {
+    key = signing_dir / "signing.key"
+    noise = start_server("noise", copy_sources(tmp / "noise-src", edit_comment), tmp, key, {
         "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-cache"), "TRITON_CACHE_DIR": str(tmp / "triton-cache"),
-        "TORCHINDUCTOR_WORKER_LOGPATH": str(tmp / "worker.log"), "KILN_UNRELATED": "1", "LANG": "C",
+        "TORCHINDUCTOR_WORKER_LOGPATH": str(tmp / "worker.log"), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "KILN_UNRELATED": "1", "LANG": "C",
         "OTEL_SDK_DISABLED": "true"})
-    factors = start_server("factors", copy_sources(tmp / "factors-src", edit_statement), tmp, {
+    factors = start_server("factors", copy_sources(tmp / "factors-src", edit_statement), tmp, key, {
         "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"})
     servers = {"noise": noise, "factors": factors}
     try:
@@ -296,7 +294,8 @@ def other_servers(tmp_path_factory):
 
 def test_same_key_after_restart_elsewhere_with_noise(other_servers, tiny_key):
     """Another process (a restart), another cwd, port, store, Inductor and Triton cache dirs, unrelated environment
-    variables, Kiln installed at another path with a comment edited in the piecewise backend: the same key."""
+    variables, Inductor options torch keeps out of its own key (a worker count, a log path), Kiln installed at
+    another path with a comment edited in the piecewise backend: the same key."""
     result = key_of(other_servers["noise"])
     assert result.key.digest == tiny_key and not result.cache_hit  # its own, empty store
 
@@ -347,14 +346,17 @@ def test_compile_caches_are_partitioned_by_cpu_isa(other_servers, tiny_compiles,
 
 # ------------------------------------------------------------------- every load checks every factor (exec server)
 
-def forge(source: Path, store: Path, factors: dict, key: str | None = None) -> str:
+def forge(source: Path, store: Path, factors: dict, signer, key: str | None = None) -> str:
     """A copy of the bundle at ``source`` stored under ``key`` (default: the digest of ``factors``) with ``factors``
-    as its key_factors.json: what a wrong or tampered store entry looks like."""
+    as its key_factors.json, signed by the trusted key: a wrong store entry that the signature cannot catch (the
+    compile service signed what it was asked to), only the factors can."""
     key = key or cache_key.digest(factors)
     shutil.copytree(source, store / key)
     (store / key / bundle.KEY_FACTORS).write_text(json.dumps(factors))
     manifest = bundle.read_manifest(store / key)
-    bundle.write_manifest(store / key, **{k: v for k, v in manifest.__dict__.items() if k != "files"})
+    bundle.write_manifest(store / key, key=key, **{k: v for k, v in manifest.__dict__.items()
+                                                    if k not in ("files", "key")})
+    bundle.sign(store / key, signer)
     return key
 
 
@@ -386,23 +388,23 @@ LOAD_ROWS = {
 
 @pytest.mark.parametrize("row", LOAD_ROWS)
 def test_load_refuses_a_bundle_stored_under_the_key_of_another_request(exec_stub, exec_cache, compile_store, tiny_key,
-                                                                       row):
+                                                                       signer, row):
     """The tiny bundle, factors and all, stored in the exec server's own store under the key the request computes
     to: the server finds it there, and refuses it, naming the factor."""
     model, config, message = LOAD_ROWS[row]
     tiny_factors = json.loads((compile_store / tiny_key / bundle.KEY_FACTORS).read_text())
-    forge(compile_store / tiny_key, exec_cache, tiny_factors, computed_key(model, config))
+    forge(compile_store / tiny_key, exec_cache, tiny_factors, signer, computed_key(model, config))
     error = load_error(exec_stub, f"forged-{row.replace(' ', '-')}", model, config)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
     assert message in error.details()
 
 
-def test_load_by_key_checks_kiln_code_and_the_digest(exec_stub, exec_cache, compile_store, tiny_key):
+def test_load_by_key_checks_kiln_code_and_the_digest(exec_stub, exec_cache, compile_store, tiny_key, signer):
     tiny_factors = json.loads((compile_store / tiny_key / bundle.KEY_FACTORS).read_text())
-    other_code = forge(compile_store / tiny_key, exec_cache, tiny_factors | {"kiln_code": "0" * 64})
+    other_code = forge(compile_store / tiny_key, exec_cache, tiny_factors | {"kiln_code": "0" * 64}, signer)
     error = load_error(exec_stub, "forged-code", TINY_MODEL, TINY_CONFIG, other_code)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and f"kiln_code {'0' * 64}, this process has" in \
         error.details()
-    renamed = forge(compile_store / tiny_key, exec_cache, tiny_factors, "e" * 64)
+    renamed = forge(compile_store / tiny_key, exec_cache, tiny_factors, signer, "e" * 64)
     error = load_error(exec_stub, "forged-digest", TINY_MODEL, TINY_CONFIG, renamed)
     assert error.code() == grpc.StatusCode.DATA_LOSS and "not to the key it is stored under" in error.details()
