@@ -1,8 +1,9 @@
 """The compile pipeline: key -> (store hit | trace, split, Inductor per piece and size, save) -> bundle.
 
 Identical requests serialize on the key's lock (a file lock, or a lease in Redis across compile services), so the
-second one waits and gets a hit. Compiles of different
-keys run one at a time in the process: Dynamo's state is global.
+second one waits and gets a hit. Compiles of different keys run one at a time in the process: Dynamo's state is
+global, and so are the environment variables that point Inductor and Triton at this process's cache partition
+(``kiln.compiler_caches``).
 """
 
 import json
@@ -18,6 +19,7 @@ from compile_service.piecewise_backend import PiecewiseBackend
 from kiln import bundle, cache_key
 from kiln.artifact_store import ArtifactStore
 from kiln.compile_config import CompileConfig
+from kiln.compiler_caches import partitioned_caches
 from kiln.errors import Internal, KilnError, first_line, resource_error
 from kiln.model import build_model
 from kiln.model_spec import ResolvedModel
@@ -39,6 +41,7 @@ class CompileOutcome:
     bundle_bytes: int
     num_pieces: int
     num_splits: int
+    factors: dict
     timings: dict[str, float] = field(default_factory=dict)
     total_s: float = 0.0
 
@@ -52,6 +55,23 @@ def compile_model(model: ResolvedModel, config: CompileConfig, store: ArtifactSt
         return outcome
 
 
+def look_up(model: ResolvedModel, config: CompileConfig, store: ArtifactStore) -> CompileOutcome:
+    """The key and whether the store has its bundle, compiling nothing."""
+    start = time.perf_counter()
+    factors = cache_key.key_factors(model, config)
+    key = cache_key.digest(factors)
+    path = store.get(key)
+    if path is None:
+        return CompileOutcome(key, False, 0, 0, 0, factors, total_s=time.perf_counter() - start)
+    return _hit(key, factors, path, start)
+
+
+def _hit(key: str, factors: dict, path, start: float) -> CompileOutcome:
+    manifest = bundle.read_manifest(path)
+    return CompileOutcome(key, True, manifest.total_bytes, manifest.num_pieces, manifest.num_splits, factors,
+                          manifest.timings, time.perf_counter() - start)
+
+
 def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: ArtifactStore,
                     progress: ProgressFn) -> CompileOutcome:
     start = time.perf_counter()
@@ -61,14 +81,13 @@ def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: Artifact
     with store.lock(key):
         path = store.get(key)
         if path is not None:
-            manifest = bundle.read_manifest(path)
             log.info("compile %s: cache hit %s", model.name, key[:12])
-            return CompileOutcome(key, True, manifest.total_bytes, manifest.num_pieces, manifest.num_splits,
-                                  manifest.timings, time.perf_counter() - start)
+            return _hit(key, factors, path, start)
         staged = None
         try:
             staged = store.staging_dir()
-            with _compile_lock:
+            # One compile at a time: Dynamo's state and the cache directories' environment variables are global.
+            with _compile_lock, partitioned_caches():
                 manifest = _compile_into(staged, key, factors, model, config, progress)
             store.commit(key, staged)
         except KilnError:  # the store's own refusal (unreachable, lease lost): its status, not INTERNAL
@@ -84,7 +103,7 @@ def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: Artifact
             raise Internal(f"compile failed inside torch: {first_line(exc)}") from exc
     total = time.perf_counter() - start
     log.info("compile %s: %d pieces in %.2fs, key %s", model.name, manifest.num_pieces, total, key[:12])
-    return CompileOutcome(key, False, manifest.total_bytes, manifest.num_pieces, manifest.num_splits,
+    return CompileOutcome(key, False, manifest.total_bytes, manifest.num_pieces, manifest.num_splits, factors,
                           manifest.timings, total)
 
 

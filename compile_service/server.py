@@ -2,11 +2,12 @@
 is read), ListArtifacts, DeleteArtifact."""
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
 
-from compile_service.pipeline import CompileOutcome, compile_model
+from compile_service.pipeline import CompileOutcome, compile_model, look_up
 from kiln import bundle
 from kiln.artifact_store import ArtifactStore, check_key
 from kiln.bundle import CorruptBundle, UntrustedBundle
@@ -48,6 +49,9 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
     async def Compile(self, request, context):
         config = CompileConfig.from_proto(request.config)
         model = resolve(request.model, config.device, self.roots)
+        if request.key_only:
+            yield compile_pb2.CompileEvent(result=_result(await asyncio.to_thread(look_up, model, config, self.store)))
+            return
         events = ProgressEvents()
         started = time.monotonic()
 
@@ -121,7 +125,7 @@ def _result(outcome: CompileOutcome) -> compile_pb2.CompileResult:
         key=common_pb2.ArtifactKey(digest=outcome.key), cache_hit=outcome.cache_hit,
         timings=[common_pb2.PhaseTiming(phase=k, seconds=v) for k, v in outcome.timings.items()],
         bundle_bytes=outcome.bundle_bytes, num_pieces=outcome.num_pieces, total_s=outcome.total_s,
-        num_splits=outcome.num_splits)
+        num_splits=outcome.num_splits, key_factors_json=json.dumps(outcome.factors, sort_keys=True, default=str))
 
 
 async def start_compile_server(store: str | Path, address: str, interceptors=(), *, signer: Signer,

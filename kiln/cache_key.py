@@ -1,22 +1,24 @@
-"""The artifact key: sha256 over the canonical JSON of everything that changes the generated code.
+"""The artifact key: sha256 over the canonical JSON of every input of code generation, and of nothing else.
 
-Paths, hosts, ports and weights are deliberately absent. The factors are stored beside each bundle, so a miss
-or a refused load can be explained factor by factor.
+Factor groups: the model config fields the forward reads and the dtype (``model_factors``), the compile config, the
+compiler's effective settings with the request's Inductor patches (``compiler_settings``), the versions and hardware
+of this process, and Kiln's own code that the trace and the compile run (``code_hash``). Paths, hosts, ports, cache
+directories and weights are not factors. The factors are stored beside each bundle, so a miss or a refused load can
+be explained factor by factor.
 """
 
 import hashlib
 import json
 import platform
-from pathlib import Path
 
 import torch
 import transformers
 
+from kiln.code_hash import kiln_code_hash
 from kiln.compile_config import CompileConfig
+from kiln.compiler_settings import compiler_settings
+from kiln.model_factors import model_config_factors
 from kiln.model_spec import ResolvedModel
-
-# Kiln's own code that Dynamo traces or the loader needs: a change to it changes the graph.
-_TRACED_SOURCES = ("attention.py", "model.py", "piecewise.py")
 
 
 def environment_factors(device: str) -> dict:
@@ -39,26 +41,27 @@ def environment_factors(device: str) -> dict:
         factors["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
         factors["gpu_name"] = torch.cuda.get_device_name()
     else:
-        factors["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
+        from kiln.compiler_caches import partition_factors
+
+        isa = partition_factors()
+        factors["cpu_isa"] = isa["cpu_capability"]
+        factors["inductor_vec_isa"] = isa["inductor_vec_isa"]
         factors["cpu_threads"] = torch.get_num_threads()
-        factors["machine"] = platform.machine()
+        factors["machine"] = isa["machine"]
     return factors
 
 
-def kiln_code_hash() -> str:
-    here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in _TRACED_SOURCES:
-        digest.update(name.encode())
-        digest.update((here / name).read_bytes())
-    return digest.hexdigest()
+def compile_config_factors(config: CompileConfig) -> dict:
+    """The compile config less its Inductor patches, which count through the settings they produce."""
+    return {k: v for k, v in config.factors().items() if k != "inductor_config_patches"}
 
 
 def key_factors(model: ResolvedModel, config: CompileConfig) -> dict:
     return {
-        "model_config": model.normalized_config(),
+        "model_config": model_config_factors(model),
         "dtype": model.dtype_name,
-        "compile_config": config.factors(),
+        "compile_config": compile_config_factors(config),
+        "compiler": compiler_settings(config.inductor_config_patches),
         "environment": environment_factors(config.device),
         "kiln_code": kiln_code_hash(),
     }
@@ -69,7 +72,20 @@ def digest(factors: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def mismatched_environment(stored: dict, device: str) -> list[tuple[str, object, object]]:
-    """(factor, bundle's value, this process's value) for every environment factor that differs."""
-    here = environment_factors(device)
-    return [(k, stored.get(k), here.get(k)) for k in sorted(set(stored) | set(here)) if stored.get(k) != here.get(k)]
+def differences(stored: object, expected: object) -> list[tuple[str, object, object]]:
+    """(dotted factor name, stored value, expected value) for every leaf that differs, in sorted order."""
+    return _differences(_plain(stored), _plain(expected), "")
+
+
+def _differences(stored: object, expected: object, path: str) -> list[tuple[str, object, object]]:
+    if isinstance(stored, dict) and isinstance(expected, dict):
+        out = []
+        for name in sorted(set(stored) | set(expected)):
+            out += _differences(stored.get(name), expected.get(name), f"{path}.{name}" if path else name)
+        return out
+    return [] if stored == expected else [(path, stored, expected)]
+
+
+def _plain(value: object) -> object:
+    """The value as it reads back from key_factors.json (tuples become lists, objects their str)."""
+    return json.loads(json.dumps(value, default=str))

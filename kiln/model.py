@@ -48,7 +48,7 @@ class TokenModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.causal_lm.base_model(
-            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
+            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, return_dict=True
         )
         return out.last_hidden_state[0]
 

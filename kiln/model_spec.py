@@ -27,10 +27,6 @@ SIZE_FIELDS = {"hidden_size": 1 << 17, "intermediate_size": 1 << 19, "num_hidden
                "max_position_embeddings": 1 << 24, "head_dim": 1 << 12}
 POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
 
-# Fields of config.json that say where or how a config was saved, not what the model computes.
-_NON_FACTOR_FIELDS = {"_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
-                      "_attn_implementation_autoset", "_commit_hash", "output_attentions", "output_hidden_states"}
-
 
 @dataclass
 class ResolvedModel:
@@ -42,11 +38,6 @@ class ResolvedModel:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
-
-    def normalized_config(self) -> dict:
-        """The config as a key factor: every field that changes the computation, nothing about its origin."""
-        d = self.config.to_dict()
-        return {k: v for k, v in sorted(d.items()) if k not in _NON_FACTOR_FIELDS and not k.startswith("_")}
 
 
 def default_device() -> str:

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompileRequest(_message.Message):
-    __slots__ = ("model", "config")
+    __slots__ = ("model", "config", "key_only")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
+    KEY_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelSpec
     config: _common_pb2.CompileConfig
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ...) -> None: ...
+    key_only: bool
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key_only: _Optional[bool] = ...) -> None: ...
 
 class CompileProgress(_message.Message):
     __slots__ = ("phase", "piece", "num_pieces", "size", "elapsed_s")
@@ -30,7 +32,7 @@ class CompileProgress(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., piece: _Optional[int] = ..., num_pieces: _Optional[int] = ..., size: _Optional[str] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
 
 class CompileResult(_message.Message):
-    __slots__ = ("key", "cache_hit", "timings", "bundle_bytes", "num_pieces", "total_s", "num_splits")
+    __slots__ = ("key", "cache_hit", "timings", "bundle_bytes", "num_pieces", "total_s", "num_splits", "key_factors_json")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +40,7 @@ class CompileResult(_message.Message):
     NUM_PIECES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FACTORS_JSON_FIELD_NUMBER: _ClassVar[int]
     key: _common_pb2.ArtifactKey
     cache_hit: bool
     timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.PhaseTiming]
@@ -45,7 +48,8 @@ class CompileResult(_message.Message):
     num_pieces: int
     total_s: float
     num_splits: int
-    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., bundle_bytes: _Optional[int] = ..., num_pieces: _Optional[int] = ..., total_s: _Optional[float] = ..., num_splits: _Optional[int] = ...) -> None: ...
+    key_factors_json: str
+    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., bundle_bytes: _Optional[int] = ..., num_pieces: _Optional[int] = ..., total_s: _Optional[float] = ..., num_splits: _Optional[int] = ..., key_factors_json: _Optional[str] = ...) -> None: ...
 
 class CompileEvent(_message.Message):
     __slots__ = ("progress", "result")

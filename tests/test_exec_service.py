@@ -312,7 +312,8 @@ def test_bundle_for_another_torch_is_failed_precondition(exec_stub, compile_stor
     with pytest.raises(grpc.RpcError) as exc:
         load_model(exec_stub, "tiny-old-torch", key=common_pb2.ArtifactKey(digest=forged))
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert f"was compiled for torch {ANOTHER_TORCH}, this process has {torch.__version__}" in exc.value.details()
+    assert f"was compiled for environment.torch {ANOTHER_TORCH}, this process has {torch.__version__}" in \
+        exc.value.details()
     info = model_info(exec_stub, "tiny-old-torch")
     assert info.state == exec_pb2.MODEL_STATE_FAILED and f"torch {ANOTHER_TORCH}" in info.error
     with pytest.raises(grpc.RpcError) as exc:
@@ -352,7 +353,7 @@ def test_bad_load_requests(exec_stub, tiny_key, tiny_loaded):
             name="qwen-with-llama-bundle", model=common_pb2.ModelSpec(preset="qwen2.5-0.5b", dtype="float32"),
             key=key)))
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "another model config" in exc.value.details()
+    assert "model_config.hidden_size 64, the request asks for 896" in exc.value.details()
 
 
 def test_unload(exec_stub, exec_channel):

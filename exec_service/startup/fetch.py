@@ -3,11 +3,12 @@ GetArtifact on the compile service. A replica with a shared store and no compile
 holds.
 
 A bundle is only ever served after its manifest's signature verifies against a trusted key, its sha256s check out
-and its key factors match this process: an unsigned, unknown-signer or tampered bundle is refused with
-FAILED_PRECONDITION naming the key and the signer, and one built for another torch, Python or device with
-FAILED_PRECONDITION naming the factor; never loaded into a crash and never silently recompiled here. A download
-goes from the wire to the cache's staging directory chunk by chunk, each file checked as it is written; a bundle
-whose bytes fail their check (DATA_LOSS, here or at the compile service) is compiled again, once.
+and every one of its key factors matches: this process's versions, device and Kiln code, and the model, dtype and
+compile config asked for. An unsigned, unknown-signer or tampered bundle is refused with FAILED_PRECONDITION naming
+the key and the signer, and one built for another torch, Python, device or model with FAILED_PRECONDITION naming the
+factor; never loaded into a crash and never silently recompiled here. A download goes from the wire to the cache's
+staging directory chunk by chunk, each file checked as it is written; a bundle whose bytes fail their check
+(DATA_LOSS, here or at the compile service) is compiled again, once.
 
 The channel to the compile service waits for it to be ready and retries a call it refused as UNAVAILABLE (gRPC's
 own retry policy, from the service config below), both within the LoadModel's deadline: a compile service that
@@ -26,9 +27,11 @@ import grpc
 from kiln import bundle, cache_key
 from kiln.artifact_store import ArtifactStore, check_key
 from kiln.bundle import CorruptBundle, UntrustedBundle
+from kiln.code_hash import kiln_code_hash
 from kiln.compile_config import CompileConfig
-from kiln.errors import FailedPrecondition, Internal, KilnError, NotFound, Unavailable, resource_error
+from kiln.errors import DataLoss, FailedPrecondition, Internal, KilnError, NotFound, Unavailable, resource_error
 from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.model_factors import model_config_factors
 from kiln.model_spec import ResolvedModel
 from kiln.signing import TrustedKeys
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
@@ -111,9 +114,7 @@ class BundleFetcher:
             log.warning("%s; compiling it again", exc)
             progress(f"the bundle failed its check ({exc}); compiling again")
             fetched = self._fetch(spec, resolved, config, key, progress, calls, cached=False)
-        check_environment(fetched, config.device)
-        if key is not None:
-            check_model(fetched, resolved)
+        check_factors(fetched, resolved, config, by_key=key is not None)
         return fetched
 
     def _fetch(self, spec: common_pb2.ModelSpec, resolved: ResolvedModel, config: CompileConfig, key: str | None,
@@ -255,25 +256,42 @@ def _data(chunk: compile_pb2.ArtifactChunk) -> bytes:
     return chunk.data
 
 
-def check_environment(fetched: FetchedBundle, device: str) -> None:
-    """FAILED_PRECONDITION naming every factor of this process that differs from the bundle's."""
-    mismatches = cache_key.mismatched_environment(fetched.factors.get("environment", {}), device)
-    if mismatches:
-        reasons = "; ".join(f"{name} {stored}, this process has {here}" for name, stored, here in mismatches)
-        raise FailedPrecondition(f"bundle {fetched.key[:12]} was compiled for {reasons}")
+def check_factors(fetched: FetchedBundle, resolved: ResolvedModel, config: CompileConfig, by_key: bool) -> None:
+    """Refuse, naming the factor, a bundle not built for this process or not for the model and config asked for.
+
+    The environment and Kiln's code must be this process's; the model config and dtype the request's; the compile
+    config the request's too, unless the request named the bundle by key (then the bundle's own governs, on the
+    request's device). The compiler settings are the compile service's, not this process's: what is checked of
+    them is that the request's Inductor patches hold. Last, the factors must hash to the key they came under.
+    """
+    stored = fetched.factors
+    expected = {
+        "environment": cache_key.environment_factors(config.device),
+        "kiln_code": kiln_code_hash(),
+        "model_config": model_config_factors(resolved),
+        "dtype": resolved.dtype_name,
+        "compile_config": cache_key.compile_config_factors(config),
+    }
+    if by_key:
+        expected["compile_config"] = {**stored.get("compile_config", {}), "device": config.device}
+    for group, here in expected.items():
+        mismatches = cache_key.differences({group: stored.get(group)}, {group: here})
+        if mismatches:
+            reasons = "; ".join(f"{name} {old}, {_whose(group)} {new}" for name, old, new in mismatches[:4])
+            more = f" (and {len(mismatches) - 4} more)" if len(mismatches) > 4 else ""
+            raise FailedPrecondition(f"bundle {fetched.key[:12]} was compiled for {reasons}{more}")
+    inductor = stored.get("compiler", {}).get("inductor", {})
+    for name, value in config.inductor_config_patches.items():
+        if name in inductor and cache_key.differences(inductor[name], value):
+            raise FailedPrecondition(f"bundle {fetched.key[:12]} was compiled with Inductor option {name} "
+                                     f"{inductor[name]}, the request asks for {value}")
+    if cache_key.digest(stored) != fetched.key:
+        raise DataLoss(f"bundle {fetched.key[:12]}: its {bundle.KEY_FACTORS} hashes to "
+                       f"{cache_key.digest(stored)[:12]}, not to the key it is stored under")
 
 
-def check_model(fetched: FetchedBundle, resolved: ResolvedModel) -> None:
-    """A bundle asked for by key must have been compiled for this model's config and dtype."""
-    if fetched.factors.get("dtype") != resolved.dtype_name:
-        raise FailedPrecondition(f"key: bundle {fetched.key[:12]} was compiled for dtype {fetched.factors.get('dtype')}"
-                                 f", the model is {resolved.dtype_name}")
-    stored = fetched.factors.get("model_config", {})
-    here = json.loads(json.dumps(resolved.normalized_config(), default=str))
-    differing = sorted(k for k in set(stored) | set(here) if stored.get(k) != here.get(k))
-    if differing:
-        shown = ", ".join(f"{k} {stored.get(k)!r} vs {here.get(k)!r}" for k in differing[:3])
-        raise FailedPrecondition(f"key: bundle {fetched.key[:12]} was compiled for another model config ({shown})")
+def _whose(group: str) -> str:
+    return "this process has" if group in ("environment", "kiln_code") else "the request asks for"
 
 
 def _wire_spec(spec: common_pb2.ModelSpec, resolved: ResolvedModel) -> common_pb2.ModelSpec:
