@@ -80,13 +80,22 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
     return TokenModel(causal_lm.eval()).eval()
 
 
+# What transformers raises for a config it cannot build (an unknown activation, a wrong type, a zero size): the
+# caller's config, not a Kiln bug.
+BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, ZeroDivisionError)
+
+
+def cannot_build(exc: Exception) -> InvalidArgument:
+    return InvalidArgument(f"model config: transformers cannot build this model: {first_line(exc)}")
+
+
 def _skeleton(model: ResolvedModel) -> PreTrainedModel:
     """The model on the meta device: its parameters' names, shapes and sizes, at no memory cost."""
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, ZeroDivisionError) as exc:
-        raise InvalidArgument(f"model config: transformers cannot build this model: {first_line(exc)}") from None
+    except BUILD_ERRORS as exc:
+        raise cannot_build(exc) from None
 
 
 def _check_fits(skeleton: PreTrainedModel, model: ResolvedModel, device: str) -> None:
