@@ -27,6 +27,7 @@ from tracing import spans
 
 LEASE_S = 3.0
 SMALL_KV = 1 << 20  # replicas' KV caches stay small, so memory measurements see the bundle, not the cache
+BIG_MAX_TOKENS = 64  # the padded bundle's token range, inside the tiny bundle's
 TAKEOVER_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[4, 8], max_num_batched_tokens=128)
 
 
@@ -214,9 +215,10 @@ def test_altered_chunks_in_redis_are_refused_and_never_loaded(cluster, takeover)
         client.setrange(victim, 0, original)
 
 
-def plant(cluster, source_key: str, key: str, signing_key: Path, padding_mib: int = 0) -> None:
-    """Commit to Redis, under ``key``, the bundle of ``source_key`` (plus listed padding), signed with
-    ``signing_key``: what any writer of the store could put there."""
+def plant(cluster, source_key: str, key: str, signing_key: Path, padding_mib: int = 0,
+          factors: dict | None = None) -> None:
+    """Commit to Redis, under ``key``, the bundle of ``source_key`` (plus listed padding; with ``factors`` for its
+    key_factors.json), signed with ``signing_key``: what any writer of the store could put there."""
     from kiln.signing import Signer
 
     writer = RedisStore(cluster.url, cluster.root / f"writer-{key[:8]}", lease_s=LEASE_S,
@@ -224,8 +226,9 @@ def plant(cluster, source_key: str, key: str, signing_key: Path, padding_mib: in
     source = RedisStore(cluster.url, cluster.root / f"source-{key[:8]}", read_only=True).get(source_key)
     with writer.lock(key):
         staged = writer.staging_dir()
-        for name in (bundle.COMPILED_FN, bundle.KEY_FACTORS):
-            (staged / name).write_bytes((source / name).read_bytes())
+        (staged / bundle.COMPILED_FN).write_bytes((source / bundle.COMPILED_FN).read_bytes())
+        (staged / bundle.KEY_FACTORS).write_text(json.dumps(factors) if factors is not None
+                                                 else (source / bundle.KEY_FACTORS).read_text())
         if padding_mib:
             with open(staged / "padding.bin", "wb") as f:
                 for _ in range(padding_mib):
@@ -280,14 +283,26 @@ def _memory_kib(pid: int) -> dict[str, int]:
 
 def test_a_replica_streams_a_50_mb_bundle_from_redis_in_bounded_memory(cluster, first_loads):
     """The tiny model's bundle plus 50 MiB of listed, hashed padding, under a key of its own: replica 3 (a child
-    process) copies it from Redis to disk while its peak RSS grows by a fraction of that."""
-    big_key = hashlib.sha256(b"tiny model, padded to 50 MiB").hexdigest()
-    plant(cluster, first_loads[0][-1].ready.key.digest, big_key, cluster.signing_key, padding_mib=50)
+    process) copies it from Redis to disk while its peak RSS grows by a fraction of that.
+
+    A key is the digest of its factors, so the padded bundle gets factors of its own: the tiny model's with a smaller
+    token range, which its compiled function (symbolic over the larger one) serves."""
+    from kiln import cache_key
+
+    source_key = first_loads[0][-1].ready.key.digest
+    source = RedisStore(cluster.url, cluster.root / "big-source", read_only=True).get(source_key)
+    factors = json.loads((source / bundle.KEY_FACTORS).read_text())
+    factors["compile_config"]["max_num_batched_tokens"] = BIG_MAX_TOKENS
+    big_key = cache_key.digest(factors)
+    plant(cluster, source_key, big_key, cluster.signing_key, padding_mib=50, factors=factors)
+    config = common_pb2.CompileConfig()
+    config.CopyFrom(TINY_CONFIG)
+    config.max_num_batched_tokens = BIG_MAX_TOKENS
 
     pid = cluster.replica3.process.pid
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _memory_kib(pid)
-    load(cluster.exec_stub(3), "tiny-big", key=common_pb2.ArtifactKey(digest=big_key))
+    load(cluster.exec_stub(3), "tiny-big", config=config, key=common_pb2.ArtifactKey(digest=big_key))
     after = _memory_kib(pid)
     growth_mib = (after["VmHWM"] - before["VmRSS"]) / 1024
     assert (cluster.root / "replica3-cache" / big_key / "padding.bin").stat().st_size == 50 << 20
