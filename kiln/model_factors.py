@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kiln.attention import ATTENTION_IMPLEMENTATION
-from kiln.model import TokenModel
+from kiln.model import CONFIG_BUILD_ERRORS, TokenModel, unbuildable
 from kiln.model_spec import ResolvedModel
 
 # Fields the build or the forward read that still cannot change the compiled code, and why.
@@ -55,11 +55,15 @@ def read_fields(config_json: str, dtype: torch.dtype) -> set[str]:
     reads: set[str] = set()
     config = copy.deepcopy(config)
     config.__class__ = _recording_class(type(config), reads)
-    with torch.device("meta"):
-        causal_lm = model_class(config).to(dtype)
-    causal_lm.config._attn_implementation = ATTENTION_IMPLEMENTATION
-    with torch.no_grad():
-        TokenModel(causal_lm.eval())(torch.zeros(2, dtype=torch.long, device="meta"), torch.arange(2, device="meta"))
+    try:
+        with torch.device("meta"):
+            causal_lm = model_class(config).to(dtype)
+        causal_lm.config._attn_implementation = ATTENTION_IMPLEMENTATION
+        with torch.no_grad():
+            TokenModel(causal_lm.eval())(torch.zeros(2, dtype=torch.long, device="meta"),
+                                         torch.arange(2, device="meta"))
+    except CONFIG_BUILD_ERRORS as exc:
+        raise unbuildable(exc) from None
     return reads
 
 

@@ -18,7 +18,7 @@ from conftest import TINY_CONFIG, TINY_MODEL, BackgroundServer, otel_env
 from google.protobuf import json_format
 from redis_server import RedisServer
 
-from kiln import bundle
+from kiln import bundle, cache_key
 from kiln.grpc_server import CHANNEL_OPTIONS
 from kiln.redis_store import RedisStore
 from kiln_cli.service_process import ServiceProcess, free_port, kiln_command
@@ -198,7 +198,7 @@ def test_altered_chunks_in_redis_are_refused_and_never_loaded(cluster, takeover)
     key = takeover[0][-1].result.key.digest
     client = cluster.redis.client()
     entry = client.hgetall(f"kiln:bundle:{key}")
-    victim = f"kiln:chunk:{key}:{entry[b'generation'].decode()}:{bundle.COMPILED_FN}:0"
+    victim = f"kiln:chunk:{key}:{entry[b'generation'].decode()}:{bundle.compiled_layer_file(0)}:0"
     original = client.getrange(victim, 0, 15)
     client.setrange(victim, 0, bytes(b ^ 0xFF for b in original))
     try:
@@ -214,25 +214,32 @@ def test_altered_chunks_in_redis_are_refused_and_never_loaded(cluster, takeover)
         client.setrange(victim, 0, original)
 
 
-def plant(cluster, source_key: str, key: str, signing_key: Path, padding_mib: int = 0) -> None:
+def plant(cluster, source_key: str, key: str | None, signing_key: Path, padding_mib: int = 0) -> str:
     """Commit to Redis, under ``key``, the bundle of ``source_key`` (plus listed padding), signed with
-    ``signing_key``: what any writer of the store could put there."""
+    ``signing_key``: what any writer of the store could put there. With no ``key``, the factors say which padding
+    the bundle carries and the key is their digest, as a compile service's would be."""
     from kiln.signing import Signer
 
+    source = RedisStore(cluster.url, cluster.root / f"source-{source_key[:8]}", read_only=True).get(source_key)
+    manifest = json.loads((source / bundle.MANIFEST).read_text())
+    factors = json.loads((source / bundle.KEY_FACTORS).read_text())
+    if key is None:
+        factors["padding_mib"] = padding_mib
+        key = cache_key.digest(factors)
     writer = RedisStore(cluster.url, cluster.root / f"writer-{key[:8]}", lease_s=LEASE_S,
                         signer=Signer.load(signing_key))
-    source = RedisStore(cluster.url, cluster.root / f"source-{key[:8]}", read_only=True).get(source_key)
     with writer.lock(key):
         staged = writer.staging_dir()
-        for name in (bundle.COMPILED_FN, bundle.KEY_FACTORS):
+        for name in manifest["files"]:
             (staged / name).write_bytes((source / name).read_bytes())
+        (staged / bundle.KEY_FACTORS).write_text(json.dumps(factors))
         if padding_mib:
             with open(staged / "padding.bin", "wb") as f:
                 for _ in range(padding_mib):
                     f.write(os.urandom(1 << 20))
-        manifest = json.loads((source / bundle.MANIFEST).read_text())
         bundle.write_manifest(staged, **{k: v for k, v in manifest.items() if k != "files"} | {"key": key})
         writer.commit(key, staged)
+    return key
 
 
 def test_a_bundle_in_redis_signed_by_an_untrusted_key_is_refused_and_never_loaded(cluster, first_loads, tmp_path):
@@ -279,10 +286,10 @@ def _memory_kib(pid: int) -> dict[str, int]:
 
 
 def test_a_replica_streams_a_50_mb_bundle_from_redis_in_bounded_memory(cluster, first_loads):
-    """The tiny model's bundle plus 50 MiB of listed, hashed padding, under a key of its own: replica 3 (a child
+    """The tiny model's bundle plus 50 MiB of listed, hashed padding, under a key of its own (its factors say so, so
+    that they hash to it): replica 3 (a child
     process) copies it from Redis to disk while its peak RSS grows by a fraction of that."""
-    big_key = hashlib.sha256(b"tiny model, padded to 50 MiB").hexdigest()
-    plant(cluster, first_loads[0][-1].ready.key.digest, big_key, cluster.signing_key, padding_mib=50)
+    big_key = plant(cluster, first_loads[0][-1].ready.key.digest, None, cluster.signing_key, padding_mib=50)
 
     pid = cluster.replica3.process.pid
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
