@@ -169,19 +169,25 @@ def model_info(stub, name: str) -> exec_pb2.ModelInfo:
     return next(m for m in stub.ListModels(exec_pb2.ListModelsRequest()).models if m.name == name)
 
 
+def streams_together_then_alone(stub, model: str, step_records: list) -> tuple[list, list, list, list]:
+    """The stream cases run all at once, then each alone: (cases, together, the model's steps meanwhile, alone)."""
+    cases = stream_cases(random.Random(13))
+    first_step = len(step_records)
+    start = threading.Barrier(STREAMS)
+    with ThreadPoolExecutor(STREAMS) as pool:
+        together = list(pool.map(lambda c: run_stream(stub, model, c, start), cases))
+    steps = [r for r in step_records[first_step:] if r.model == model]
+    alone = [run_stream(stub, model, dataclasses.replace(c, cancel_after=None)) for c in cases]
+    return cases, together, steps, alone
+
+
 def test_concurrent_streams_equal_each_request_run_alone(exec_stub, step_records):
     """64 streams at once on a small KV cache (preemption), prefills in chunks beside decodes, a third cancelled:
     every finished stream equals the same request run alone, a cancelled one a prefix of it; no block leaks."""
     model = "tiny-streams"
     ready = load_model(exec_stub, model, kv_cache_bytes=SMALL_KV_BLOCKS * 8192, max_num_batched_tokens=64).pop()
     assert ready.ready.num_kv_blocks == SMALL_KV_BLOCKS
-    cases = stream_cases(random.Random(13))
-    first_step = len(step_records)
-    start = threading.Barrier(STREAMS)
-    with ThreadPoolExecutor(STREAMS) as pool:
-        together = list(pool.map(lambda c: run_stream(exec_stub, model, c, start), cases))
-    steps = [r for r in step_records[first_step:] if r.model == model]
-    alone = [run_stream(exec_stub, model, dataclasses.replace(c, cancel_after=None)) for c in cases]
+    cases, together, steps, alone = streams_together_then_alone(exec_stub, model, step_records)
 
     finished = 0
     for case, (tokens, last), (expected, alone_last) in zip(cases, together, alone, strict=True):

@@ -2,17 +2,14 @@
 bfloat16 for the first 16 tokens), CUDA-graph replay gives the same tokens as the compiled function, and the
 overlapped engine keeps 64 concurrent streams (cancelled, preempted, prefilled in chunks) equal to each run alone."""
 
-import dataclasses
 import json
-import random
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
 from conftest import BackgroundServer
-from test_engine import STREAMS, model_info, run_stream, stream_cases, wait_until
+from test_engine import model_info, streams_together_then_alone, wait_until
 
 from exec_service.engine.sampler import counter_uniform
 from kiln.grpc_server import CHANNEL_OPTIONS
@@ -118,13 +115,7 @@ def test_concurrent_streams_with_cuda_graphs_equal_each_request_run_alone(gpu_se
         weights_seed=SEED, max_model_len=512, max_num_seqs=64, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH,
         kv_cache_bytes=blocks * 131072, max_num_batched_tokens=64)))
     assert events[-1].ready.num_kv_blocks == blocks
-    cases = stream_cases(random.Random(13))
-    first_step = len(gpu_steps)
-    start = threading.Barrier(STREAMS)
-    with ThreadPoolExecutor(STREAMS) as pool:
-        together = list(pool.map(lambda c: run_stream(stub, model, c, start), cases))
-    steps = [r for r in gpu_steps[first_step:] if r.model == model]
-    alone = [run_stream(stub, model, dataclasses.replace(c, cancel_after=None)) for c in cases]
+    cases, together, steps, alone = streams_together_then_alone(stub, model, gpu_steps)
     for case, (tokens, last), (expected, alone_last) in zip(cases, together, alone, strict=True):
         if last is None:
             assert tokens == expected[:len(tokens)], case
