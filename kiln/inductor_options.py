@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kiln.errors import InvalidArgument, PermissionDenied, quote
+from kiln.json_object import parse_json_object
 
 FIELD = "config.inductor_config_patches_json"
 # Patches are a handful of options; a longer text is not a patch set, and is refused before it is parsed.
@@ -246,12 +247,7 @@ def parse_patches(text: str) -> dict:
     """The patches of a wire config, every option checked; the first refused one raises, naming it."""
     if len(text.encode()) > MAX_PATCHES_JSON_BYTES:
         raise InvalidArgument(f"{FIELD}: {len(text.encode())} bytes, more than {MAX_PATCHES_JSON_BYTES}")
-    try:
-        patches = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{FIELD}: malformed JSON: {exc}") from None
-    if not isinstance(patches, dict):
-        raise InvalidArgument(f"{FIELD}: expected a JSON object")
+    patches = parse_json_object(text, FIELD)
     for name, value in patches.items():
         check_option(name, value)
     return patches

@@ -1,6 +1,5 @@
 """Model specs: a preset, a local Hugging Face directory or an inline config.json, resolved to an HF config."""
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +9,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from kiln import model_features
 from kiln.errors import InvalidArgument, NotFound, quote
+from kiln.json_object import parse_json_object
 from kiln.model_roots import ModelRoots
 from kiln.presets import PRESETS
 from protos import common_pb2
@@ -61,28 +61,18 @@ def resolve(spec: common_pb2.ModelSpec, device: str, roots: ModelRoots | None = 
             raise NotFound(f"model.hf_dir: no config.json in {quote(spec.hf_dir)}")
         if config_path.stat().st_size > MAX_CONFIG_JSON_BYTES:
             raise InvalidArgument(f"model.hf_dir: its config.json is over {MAX_CONFIG_JSON_BYTES} bytes")
-        name, raw = Path(spec.hf_dir).name, _parse_json(config_path.read_text(), "model.hf_dir config.json")
+        name, raw = Path(spec.hf_dir).name, parse_json_object(config_path.read_text(), "model.hf_dir config.json")
     elif source == "config_json":
         if len(spec.config_json) > MAX_CONFIG_JSON_BYTES:  # characters: a lower bound on its bytes
             raise InvalidArgument(f"model.config_json: {len(spec.config_json)} characters, over the "
                                   f"{MAX_CONFIG_JSON_BYTES}-byte limit")
-        raw = _parse_json(spec.config_json, "model.config_json")
+        raw = parse_json_object(spec.config_json, "model.config_json")
         name = raw.get("model_type", "model")
     else:
         raise InvalidArgument("model: set one of preset, hf_dir or config_json")
     config = _build_config(raw)
     model_features.check(config, device)
     return ResolvedModel(name=name, config=config, dtype=_dtype(spec.dtype, device), hf_dir=hf_dir)
-
-
-def _parse_json(text: str, field: str) -> dict:
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{field}: malformed JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise InvalidArgument(f"{field}: expected a JSON object")
-    return raw
 
 
 def _build_config(raw: dict) -> PretrainedConfig:
