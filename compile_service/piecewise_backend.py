@@ -1,8 +1,9 @@
-"""A torch.compile backend that splits the Dynamo graph at the splitting ops and compiles each other piece.
+"""A torch.compile backend that splits a region's Dynamo graph at the splitting ops and compiles each other piece.
 
-As in vLLM's "[7/N] torch.compile, reduce compilation time": Inductor sees one layer's worth of graph at a time,
-so the identical middle layers hit Inductor's cache. Each piece is compiled by ``standalone_compile`` for the
-symbolic token count and for each compile size; the result is a PiecewiseFunction that ``aot_compile`` saves.
+As in vLLM's "[7/N] torch.compile, reduce compilation time", the attention op runs between compiled pieces; Kiln
+compiles one decoder layer per kind (``kiln.layer_regions``), run for every layer of that kind, so a layer is one
+pair of pieces. Each piece is compiled by ``standalone_compile`` for the symbolic token count and for
+each compile size; the result is a PiecewiseFunction that ``aot_compile`` saves.
 """
 
 import time
@@ -19,7 +20,7 @@ from torch.fx.passes.split_module import split_module
 from kiln.piecewise import CompiledPiece, PiecewiseFunction
 from tracing import spans
 
-ProgressFn = Callable[[str, int, int, str], None]  # (phase, piece, num_pieces, size)
+ProgressFn = Callable[[str, int, int, str, str], None]  # (phase, piece, num_pieces, size, region)
 
 
 @dataclass
@@ -44,25 +45,54 @@ def _cache_hits() -> int:
     return counters["aot_autograd"]["autograd_cache_hit"]
 
 
-def _token_symbol(example_inputs) -> sympy.Symbol:
-    for value in example_inputs:
-        if isinstance(value, torch.Tensor):
-            for size in value.shape:
-                if isinstance(size, torch.SymInt):
-                    return size.node.expr
-    raise RuntimeError("the traced graph has no symbolic token dimension")
+def _token_symbols(example_inputs) -> set[sympy.Symbol]:
+    """The symbols of the dimensions marked dynamic: each region input that has the token dimension brings its own,
+    and all of them are the token count (Dynamo may or may not have found them equal)."""
+    symbols = {size.node.expr for value in example_inputs if isinstance(value, torch.Tensor)
+               for size in value.shape if isinstance(size, torch.SymInt)}
+    if not symbols:
+        raise RuntimeError("the traced graph has no symbolic token dimension")
+    return symbols
 
 
-def _token_arg(args, symbol) -> tuple[int, int | None]:
+def _token_arg(args, symbols: set[sympy.Symbol]) -> tuple[int, int | None]:
     """Which argument (and dim) carries the token count of a piece."""
     for pos, value in enumerate(args):
-        if isinstance(value, torch.SymInt) and value.node.expr == symbol:
+        if isinstance(value, torch.SymInt) and value.node.expr in symbols:
             return pos, None
         if isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
-                if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                if isinstance(size, torch.SymInt) and size.node.expr in symbols:
                     return pos, dim
     return 0, 0  # a piece without the token dimension: compile sizes cannot differ, any arg will do
+
+
+def _inputs_for_size(gm: torch.fx.GraphModule, example_inputs, size: int) -> list:
+    """Real graph inputs for ``size`` tokens: each input with the token dimension made anew at that size (zeros for
+    integers, small random values for floats: static-size compiles need real tensors, not particular values), the
+    token count itself for a SymInt, the traced value for everything else (the weights)."""
+    out = []
+    for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs, strict=True):
+        example = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) or isinstance(example, torch.SymInt):
+            out.append(size)
+        elif isinstance(example, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in example.shape):
+            shape = [_at_size(d, size) for d in example.shape]
+            if example.dtype.is_floating_point:
+                out.append(torch.randn(shape, dtype=example.dtype, device=example.device) * 0.02)
+            else:
+                out.append(torch.zeros(shape, dtype=example.dtype, device=example.device))
+        else:
+            out.append(value)
+    return out
+
+
+def _at_size(dim: int | torch.SymInt, size: int) -> int:
+    """A dimension with every symbol in it (all of them the token count) set to ``size``."""
+    if not isinstance(dim, torch.SymInt):
+        return dim
+    expr = dim.node.expr
+    return int(expr.subs({symbol: size for symbol in expr.free_symbols}))
 
 
 class SymbolicRangeTag(CustomGraphPass):
@@ -83,35 +113,40 @@ class SymbolicRangeTag(CustomGraphPass):
 
 
 class PiecewiseBackend:
-    """Callable as a torch.compile backend; records what it split and compiled in ``stats``."""
+    """Callable as a torch.compile backend for one region; records what it split and compiled in ``stats``.
 
-    def __init__(self, splitting_ops: tuple[str, ...], compile_sizes: tuple[int, ...], max_tokens: int,
-                 config_patches: dict, concrete_inputs: Callable[[int], tuple], progress: ProgressFn):
+    ``first_piece`` numbers this region's pieces after those of the regions compiled before it, in progress events
+    and spans.
+    """
+
+    def __init__(self, region: str, splitting_ops: tuple[str, ...], compile_sizes: tuple[int, ...], max_tokens: int,
+                 config_patches: dict, progress: ProgressFn, first_piece: int = 0):
+        self.region = region
         self.split_targets = _split_op_targets(splitting_ops)
         self.compile_sizes = compile_sizes
         self.options = {"config_patches": {**config_patches,
                                            "post_grad_custom_post_pass": SymbolicRangeTag(max_tokens)}}
-        self.concrete_inputs = concrete_inputs  # size -> real (input_ids, positions) of that many tokens
         self.progress = progress
+        self.first_piece = first_piece
         self.stats = SplitStats()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> PiecewiseFunction:
         self.stats.graph_received_ns = time.time_ns()
         start = time.perf_counter()
-        with spans.phase_span(spans.SPLIT) as span:
+        with spans.phase_span(spans.SPLIT, region=self.region) as span:
             split_gm, split_parts = self._split(gm)
             names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]
             span.set_attributes({spans.NUM_PIECES: len(names), spans.NUM_SPLITS: len(split_parts)})
         self.stats.timings["split"] = time.perf_counter() - start
-        self.progress("split", 0, 0, "")
+        self.progress("split", 0, 0, "", self.region)
         pieces: dict[str, CompiledPiece] = {}
         start = time.perf_counter()
         tracing = torch._guards.TracingContext.get()
-        symbol = _token_symbol([tracing.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
-                                for a in example_inputs])
-        self._run_compiling(split_gm, names, pieces, example_inputs, symbol, size=None)
+        symbols = _token_symbols([tracing.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                  for a in example_inputs])
+        self._run_compiling(split_gm, names, pieces, example_inputs, symbols, size=None)
         for size in self.compile_sizes:
-            self._run_compiling(split_gm, names, pieces, self._inputs_for_size(gm, example_inputs, size), symbol, size)
+            self._run_compiling(split_gm, names, pieces, _inputs_for_size(gm, example_inputs, size), symbols, size)
         self.stats.timings["inductor"] = time.perf_counter() - start
         for name, piece in pieces.items():
             split_gm.register_module(name, piece)
@@ -132,22 +167,7 @@ class PiecewiseBackend:
         split_gm = split_module(gm, None, lambda n: assignment[n], keep_original_order=True)
         return split_gm, split_parts
 
-    def _inputs_for_size(self, gm, example_inputs, size: int) -> list:
-        """Real graph inputs for ``size`` tokens: the traced inputs swapped for concrete ones, SymInts for ints."""
-        ids, positions = self.concrete_inputs(size)
-        token_inputs = iter((ids, positions))
-        out = []
-        for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs, strict=True):
-            example = node.meta.get("example_value")
-            if isinstance(value, torch.SymInt) or isinstance(example, torch.SymInt):
-                out.append(size)
-            elif isinstance(example, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in example.shape):
-                out.append(next(token_inputs))
-            else:
-                out.append(value)
-        return out
-
-    def _run_compiling(self, split_gm, names, pieces, inputs, symbol, size: int | None) -> None:
+    def _run_compiling(self, split_gm, names, pieces, inputs, symbols, size: int | None) -> None:
         """Interpret the split graph, compiling each piece on the way with the inputs it really receives."""
         backend = self
         label = "symbolic" if size is None else str(size)
@@ -157,13 +177,15 @@ class PiecewiseBackend:
                 out = super().call_module(target, args, kwargs)
                 if target in names:
                     submodule = getattr(self.module, target)
-                    backend.progress("inductor", names.index(target) + 1, len(names), label)
-                    with spans.phase_span(spans.INDUCTOR, piece=names.index(target) + 1, compile_size=label) as span:
+                    piece_number = backend.first_piece + names.index(target) + 1
+                    backend.progress("inductor", piece_number, backend.first_piece + len(names), label, backend.region)
+                    with spans.phase_span(spans.INDUCTOR, piece=piece_number, compile_size=label,
+                                          region=backend.region) as span:
                         hits = _cache_hits()
                         if size is None:
                             output_node = next(iter(reversed(submodule.graph.nodes)))
                             piece = CompiledPiece(int(target.split("_")[-1]), isinstance(
-                                output_node.args[0], (tuple, list)), _token_arg(args, symbol))
+                                output_node.args[0], (tuple, list)), _token_arg(args, symbols))
                             piece.symbolic = torch._inductor.standalone_compile(
                                 submodule, list(args), dynamic_shapes="from_tracing_context", options=backend.options,
                                 aot=True)

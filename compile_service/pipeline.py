@@ -21,14 +21,15 @@ from kiln.artifact_store import ArtifactStore
 from kiln.compile_config import CompileConfig
 from kiln.compiler_caches import partitioned_caches
 from kiln.errors import Internal, KilnError, first_line, resource_error
-from kiln.model import build_model
+from kiln.layer_regions import LayerStep
+from kiln.model import TokenModel, build_model
 from kiln.model_spec import ResolvedModel
 from tracing import spans
 
 log = logging.getLogger(__name__)
 
-# (phase, piece, num_pieces, size)
-ProgressFn = Callable[[str, int, int, str], None]
+# (phase, piece, num_pieces, size, region)
+ProgressFn = Callable[[str, int, int, str, str], None]
 
 _compile_lock = threading.Lock()
 TRACE_TOKENS = 16  # example token count Dynamo traces with; the dimension is marked dynamic
@@ -77,7 +78,7 @@ def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: Artifact
     start = time.perf_counter()
     factors = cache_key.key_factors(model, config)
     key = cache_key.digest(factors)
-    progress("key", 0, 0, "")
+    progress("key", 0, 0, "", "")
     with store.lock(key):
         path = store.get(key)
         if path is not None:
@@ -114,46 +115,82 @@ def _discard(store: ArtifactStore, staged) -> None:
 
 def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileConfig,
                   progress: ProgressFn) -> bundle.Manifest:
-    timings = {}
+    timings = {"trace": 0.0, "split": 0.0, "inductor": 0.0}
     t = time.perf_counter()
     module = build_model(model, config.device)
     timings["build"] = time.perf_counter() - t
-    vocab = model.config.vocab_size
-
-    def concrete_inputs(n: int):
-        ids = torch.randint(0, vocab, (n,), device=config.device)
-        return ids, torch.arange(n, device=config.device)
-
-    backend = PiecewiseBackend(config.splitting_ops, config.compile_sizes, config.max_num_batched_tokens,
-                               config.inductor_config_patches,
-                               concrete_inputs, progress)
-    ids, positions = concrete_inputs(min(TRACE_TOKENS, config.max_num_batched_tokens))
-    for tensor in (ids, positions):
-        torch._dynamo.mark_dynamic(tensor, 0, min=1, max=config.max_num_batched_tokens)
-    progress("trace", 0, 0, "")
-    t = time.perf_counter()
-    trace_start_ns = time.time_ns()
+    compiled, num_pieces, num_splits = [], 0, 0
     torch._dynamo.reset()
-    with torch.no_grad(), torch._dynamo.config.patch(enable_aot_compile=True):
-        compiled = torch.compile(
-            module, fullgraph=True, backend=backend,
-            options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe},
-        ).forward.aot_compile(((ids, positions), {}))
-    elapsed = time.perf_counter() - t
-    # Dynamo's tracing ends where it hands the graph to the backend, whose split and Inductor are spans of their own.
-    spans.record_phase(spans.TRACE, trace_start_ns, backend.stats.graph_received_ns)
-    timings.update(backend.stats.timings)
-    timings["trace"] = elapsed - sum(backend.stats.timings.values())
-    progress("save", 0, 0, "")
+    for kind, (step, inputs) in enumerate(_layer_examples(module, model, config)):
+        code, stats = _compile_layer(f"layer{kind}", step, inputs, config, progress, num_pieces)
+        compiled.append(code)
+        for phase in ("trace", "split", "inductor"):
+            timings[phase] += stats.timings[phase]
+        num_pieces += stats.num_pieces
+        num_splits += stats.num_splits
+    progress("save", 0, 0, "", "")
     with spans.phase_span(spans.SAVE) as span:
         t = time.perf_counter()
-        compiled.save_compiled_function(str(staged / bundle.COMPILED_FN))
+        for kind, code in enumerate(compiled):
+            code.save_compiled_function(str(staged / bundle.compiled_layer_file(kind)))
+        (staged / bundle.LAYER_KINDS).write_text(json.dumps(list(module.layers.kinds)))
         (staged / bundle.KEY_FACTORS).write_text(json.dumps(factors, indent=1, sort_keys=True, default=str))
         timings["save"] = time.perf_counter() - t
         manifest = bundle.write_manifest(
             staged, key=key, model=model.name, config_summary=f"{model.dtype_name} {config.summary()}",
-            num_pieces=backend.stats.num_pieces, num_splits=backend.stats.num_splits,
+            num_pieces=num_pieces, num_splits=num_splits,
             timings={k: round(v, 4) for k, v in timings.items()}, created_unix=time.time(),
         )
         span.set_attribute(spans.BYTES, manifest.total_bytes)
     return manifest
+
+
+@torch.no_grad()
+def _layer_examples(module: TokenModel, model: ResolvedModel, config: CompileConfig) -> list[tuple]:
+    """The first layer of each kind with the inputs it receives in an eager forward, the token dimension of each
+    marked dynamic over [1, max tokens]."""
+    tokens = min(TRACE_TOKENS, config.max_num_batched_tokens)
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), device=config.device)
+    seen: dict[int, tuple] = {}
+
+    def record(step: LayerStep, hidden, cos, sin, index):
+        seen.setdefault(step.kind, (step, (hidden.clone(), cos.clone(), sin.clone())))
+        return step(hidden, cos, sin, index)
+
+    with module.layers.running([record] * module.layers.num_kinds):
+        module(ids, torch.arange(tokens, device=config.device))
+    examples = []
+    for kind in range(module.layers.num_kinds):
+        step, token_inputs = seen[kind]
+        for tensor in token_inputs:  # [1, T, ...]
+            torch._dynamo.mark_dynamic(tensor, 1, min=1, max=config.max_num_batched_tokens)
+        examples.append((step, (*token_inputs, step.index)))
+    return examples
+
+
+def _compile_layer(region: str, step: LayerStep, inputs: tuple, config: CompileConfig, progress: ProgressFn,
+                   first_piece: int):
+    """Dynamo once over one layer, then the piecewise backend: the layer's aot-compiled function and the backend's
+    stats. The code serves every layer of its kind, so it must not depend on the one it was traced on: a guard on
+    the layer index (which the attention op takes as an input instead) refuses the compile."""
+    backend = PiecewiseBackend(region, config.splitting_ops, config.compile_sizes, config.max_num_batched_tokens,
+                               config.inductor_config_patches, progress, first_piece)
+    index_guards = []
+
+    def keep_tensor_guards(entries):
+        index_guards.extend(e.name for e in entries if ".layer_idx" in e.name)
+        return torch.compiler.keep_tensor_guards_unsafe(entries)
+
+    progress("trace", 0, 0, "", region)
+    t = time.perf_counter()
+    trace_start_ns = time.time_ns()
+    with torch.no_grad(), torch._dynamo.config.patch(enable_aot_compile=True):
+        code = torch.compile(step, fullgraph=True, backend=backend,
+                             options={"guard_filter_fn": keep_tensor_guards}).forward.aot_compile((inputs, {}))
+    if index_guards:
+        raise RuntimeError(f"the traced layer's code depends on its index ({index_guards[0]}); it cannot serve the "
+                           f"other layers of its kind")
+    # Dynamo's tracing ends where it hands the graph to the backend, whose split and Inductor are spans of their own.
+    spans.record_phase(spans.TRACE, trace_start_ns, backend.stats.graph_received_ns, region=region)
+    backend.stats.timings["trace"] = time.perf_counter() - t - sum(backend.stats.timings.values())
+    return code, backend.stats

@@ -55,9 +55,9 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
         events = ProgressEvents()
         started = time.monotonic()
 
-        def progress(phase: str, piece: int, num_pieces: int, size: str) -> None:
+        def progress(phase: str, piece: int, num_pieces: int, size: str, region: str) -> None:
             events.emit(compile_pb2.CompileProgress(phase=phase, piece=piece, num_pieces=num_pieces, size=size,
-                                                    elapsed_s=time.monotonic() - started))
+                                                    region=region, elapsed_s=time.monotonic() - started))
 
         # The worker thread runs in a copy of this context, so the compile's spans are children of this call's span.
         job = in_worker_thread(compile_model, model, config, self.store, progress)

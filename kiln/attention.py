@@ -5,7 +5,9 @@ the step's metadata come from the forward context. Without a context (a plain ca
 tokens are one causal sequence, which is what the compile service's traces and checks use.
 
 A layer's sliding window and attention-logit soft-cap are arguments of its call: constants of the traced graph,
-one per layer, so local and global layers differ and a captured CUDA graph replays each layer with its own.
+one per kind of layer, so local and global layers differ and a captured CUDA graph replays each layer with its own.
+The layer index is not a constant but a tensor input (``kiln_layer``, passed down by ``kiln.model.LayerStep``), so
+one compiled decoder layer serves every layer of its kind.
 """
 
 import torch
@@ -25,18 +27,19 @@ _NEUTRAL_KWARGS = {"position_ids", "use_cache", "cache", "past_key_values", "cac
 
 @torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=())
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float, window: int = 0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float, window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the flattened tokens of a step -> [T, Hq, D].
 
+    ``layer`` is the layer's index as a 0-d CPU tensor: read without a device sync, and at CUDA-graph capture time.
     ``window`` > 0 limits each query to itself and the ``window - 1`` tokens before it; ``softcap`` > 0 caps the
     logits at ``softcap * tanh(logits / softcap)``.
     """
     ctx = current_forward_context()
     if ctx is None:
         return attention_reference.causal_attention(q, k, v, scale, 0, window, softcap).contiguous()
-    kv_cache = ctx.kv_caches[layer_idx]
+    kv_cache = ctx.kv_caches[int(layer)]
     if q.is_cuda:
         from kiln import attention_triton
 
@@ -45,13 +48,14 @@ def attention(
 
 
 @attention.register_fake
-def _(q, k, v, layer_idx, scale, window=0, softcap=0.0):
+def _(q, k, v, layer, scale, window=0, softcap=0.0):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _hf_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
-                  **kwargs):
-    """AttentionInterface adapter: HF passes [1, H, T, D]; Kiln's op works on [T, H, D].
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, *,
+                  kiln_layer: torch.Tensor, **kwargs):
+    """AttentionInterface adapter: HF passes [1, H, T, D]; Kiln's op works on [T, H, D]. ``kiln_layer`` is the
+    layer index tensor that ``kiln.model.LayerStep`` passes down through the decoder layer's keyword arguments.
 
     Anything else a module asks of attention (a non-causal mask, attention sinks, ...) is refused here rather than
     ignored; kiln.model_features refuses the configs that lead to it before a model is built.
@@ -62,7 +66,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, slidi
                                   f"({type(module).__name__})")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     out = torch.ops.kiln.attention(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), module.layer_idx, scale,
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), kiln_layer, scale,
         int(sliding_window or 0), float(softcap or 0.0),
     )
     return out.unsqueeze(0), None

@@ -1,7 +1,7 @@
-"""The artifact bundle: a directory with the compiled function, its key factors, a manifest of sha256s and the
-compile service's signature over that manifest.
+"""The artifact bundle: a directory with the compiled code of each kind of decoder layer, which kind each layer is,
+the key factors, a manifest of sha256s and the compile service's signature over that manifest.
 
-The compiled function is a pickle: it is unpickled only from bytes whose sha256 a trusted key signed (through the
+Each compiled layer is a pickle: it is unpickled only from bytes whose sha256 a trusted key signed (through the
 manifest), read once into memory so that what was checked is what is loaded. Every time a bundle's bytes are served
 or loaded they are hashed as they are read and checked against the manifest: a file that differs is DATA_LOSS (bit
 rot or tampering), a manifest whose signature does not verify FAILED_PRECONDITION. On the wire a bundle is its
@@ -22,11 +22,16 @@ from kiln.signing import Signature, Signer, TrustedKeys, UntrustedSignature
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 KEY_FACTORS = "key_factors.json"
-COMPILED_FN = "compiled_fn.bin"
+LAYER_KINDS = "layer_kinds.json"  # the kind of each decoder layer: which compiled code it runs
 # Not covered by the manifest: the manifest itself, its signature, and the store's last-used stamp.
 _UNLISTED = {MANIFEST, SIGNATURE, ".last_used"}
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a few files; anything larger is not one
 _READ_BYTES = 1 << 20
+
+
+def compiled_layer_file(kind: int) -> str:
+    """The file holding the aot-compiled code of one kind of decoder layer (``kiln.layer_regions``)."""
+    return f"compiled_layer{kind}.bin"
 
 
 class CorruptBundle(DataLoss):
@@ -237,8 +242,8 @@ def check_signed(manifest_json: str, signature_json: str, key: str, trusted: Tru
         raise UntrustedBundle(key, signature.signer, f"its signed manifest does not parse: {exc}") from None
     if manifest.key != key:
         raise UntrustedBundle(key, signature.signer, f"its signed manifest is for another key, {manifest.key}")
-    if COMPILED_FN not in manifest.files or KEY_FACTORS not in manifest.files:
-        raise UntrustedBundle(key, signature.signer, "its signed manifest lists no compiled function")
+    if compiled_layer_file(0) not in manifest.files or KEY_FACTORS not in manifest.files:
+        raise UntrustedBundle(key, signature.signer, "its signed manifest lists no compiled layer")
     return manifest, signature.signer
 
 
@@ -277,16 +282,28 @@ def preload_runtime() -> None:
 
 
 def load_compiled(bundle_dir: Path, key: str, trusted: TrustedKeys):
-    """The compiled function of a bundle, called as ``fn(token_model, input_ids, positions)``; never compiles.
+    """The bundle's compiled layers, called as ``fn(token_model, input_ids, positions)``; never compiles.
 
     Unpickles only bytes read once into memory and checked against the manifest a trusted key signed, so a file
-    swapped after an earlier check is never what runs. torch checks Python, torch, CUDA, Triton and GPU itself and
-    raises RuntimeError on a mismatch; callers check the key factors first so that a user sees which factor differs.
+    swapped after an earlier check is never what runs; every layer's bytes are checked before any is unpickled.
+    torch checks Python, torch, CUDA, Triton and GPU itself and raises RuntimeError on a mismatch; callers check the
+    key factors first so that a user sees which factor differs.
     """
     import torch
 
-    import kiln.attention  # noqa: F401  (registers kiln::attention, which the split graph calls between pieces)
+    from kiln.layer_regions import CompiledLayers  # and kiln::attention, which the split graph calls between pieces
 
     manifest, signer = check_signed(_read_text(bundle_dir / MANIFEST), _read_signature(bundle_dir, key), key, trusted)
-    data = _read_listed(bundle_dir, COMPILED_FN, manifest, signer)
-    return torch.compiler.load_compiled_function(io.BytesIO(data))
+    if LAYER_KINDS not in manifest.files:
+        raise UntrustedBundle(key, signer, f"its signed manifest lists no {LAYER_KINDS}")
+    try:
+        kinds = tuple(json.loads(_read_listed(bundle_dir, LAYER_KINDS, manifest, signer)))
+    except ValueError:
+        raise AlteredBundle(key, signer, f"{LAYER_KINDS} does not parse") from None
+    files = [compiled_layer_file(kind) for kind in range(max(kinds) + 1)]
+    missing = [name for name in files if name not in manifest.files]
+    if missing:
+        raise UntrustedBundle(key, signer, f"its signed manifest lists no {missing[0]}")
+    data = [_read_listed(bundle_dir, name, manifest, signer) for name in files]
+    code = tuple(torch.compiler.load_compiled_function(io.BytesIO(blob)) for blob in data)
+    return CompiledLayers(code, kinds)

@@ -1,4 +1,4 @@
-"""Builds an HF causal LM on the target device and wraps it as the token-flat module Kiln compiles.
+"""Builds an HF causal LM on the target device and wraps it as the token-flat module Kiln compiles, layer by layer.
 
 Before a byte is allocated the model is built on the meta device: a config transformers cannot build is the
 caller's INVALID_ARGUMENT, weights larger than the device's free memory are RESOURCE_EXHAUSTED, and a checkpoint
@@ -16,6 +16,7 @@ from kiln import checkpoint
 from kiln.attention import ATTENTION_IMPLEMENTATION
 from kiln.device_memory import available_bytes
 from kiln.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, first_line, quote
+from kiln.layer_regions import DecoderLayers
 from kiln.model_spec import ResolvedModel
 
 
@@ -38,13 +39,18 @@ FINAL_LOGITS = {
 class TokenModel(torch.nn.Module):
     """Flattened tokens of every sequence in a step -> final hidden states, one row per token.
 
-    This is what gets compiled: the weights are attributes of the module, so they are arguments of the compiled
-    code, never constants in it. Logits are taken by ``logits`` on the rows that need them only.
+    What gets compiled is one decoder layer per kind (``kiln.layer_regions``), run for every layer with that
+    layer's weights as inputs, never constants; the rest of transformers' forward runs as written. Logits are taken
+    by ``logits`` on the rows that need them only.
     """
 
     def __init__(self, causal_lm: PreTrainedModel):
         super().__init__()
         self.causal_lm = causal_lm
+        base = causal_lm.base_model
+        if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+            raise InvalidArgument(f"model config: {type(base).__name__} has no list of decoder layers to compile")
+        self.layers = DecoderLayers(base.layers[:causal_lm.config.num_hidden_layers])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.causal_lm.base_model(
@@ -80,12 +86,11 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
     return TokenModel(causal_lm.eval()).eval()
 
 
-# What transformers raises for a config it cannot build (an unknown activation, a wrong type, a zero size): the
-# caller's config, not a Kiln bug.
-BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, ZeroDivisionError)
+# What transformers raises for a config it cannot build a model from: the caller's config, not Kiln's fault.
+CONFIG_BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, ZeroDivisionError)
 
 
-def cannot_build(exc: Exception) -> InvalidArgument:
+def unbuildable(exc: Exception) -> InvalidArgument:
     return InvalidArgument(f"model config: transformers cannot build this model: {first_line(exc)}")
 
 
@@ -94,8 +99,8 @@ def _skeleton(model: ResolvedModel) -> PreTrainedModel:
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
-    except BUILD_ERRORS as exc:
-        raise cannot_build(exc) from None
+    except CONFIG_BUILD_ERRORS as exc:
+        raise unbuildable(exc) from None
 
 
 def _check_fits(skeleton: PreTrainedModel, model: ResolvedModel, device: str) -> None:

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kiln.attention import ATTENTION_IMPLEMENTATION
-from kiln.model import BUILD_ERRORS, TokenModel, cannot_build
+from kiln.model import CONFIG_BUILD_ERRORS, TokenModel, unbuildable
 from kiln.model_spec import ResolvedModel
 
 # Fields the build or the forward read that still cannot change the compiled code, and why.
@@ -62,8 +62,8 @@ def read_fields(config_json: str, dtype: torch.dtype) -> set[str]:
         with torch.no_grad():
             TokenModel(causal_lm.eval())(torch.zeros(2, dtype=torch.long, device="meta"),
                                          torch.arange(2, device="meta"))
-    except BUILD_ERRORS as exc:  # keyed before anything is built: the config's fault is reported here
-        raise cannot_build(exc) from None
+    except CONFIG_BUILD_ERRORS as exc:
+        raise unbuildable(exc) from None
     return reads
 
 

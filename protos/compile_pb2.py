@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/compile.proto\x12\x07kiln.v1\x1a\x13protos/common.proto\"m\n\x0e\x43ompileRequest\x12!\n\x05model\x18\x01 \x01(\x0b\x32\x12.kiln.v1.ModelSpec\x12&\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x16.kiln.v1.CompileConfig\x12\x10\n\x08key_only\x18\x03 \x01(\x08\"d\n\x0f\x43ompileProgress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05piece\x18\x02 \x01(\x05\x12\x12\n\nnum_pieces\x18\x03 \x01(\x05\x12\x0c\n\x04size\x18\x04 \x01(\t\x12\x11\n\telapsed_s\x18\x05 \x01(\x01\"\xd5\x01\n\rCompileResult\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12%\n\x07timings\x18\x03 \x03(\x0b\x32\x14.kiln.v1.PhaseTiming\x12\x14\n\x0c\x62undle_bytes\x18\x04 \x01(\x03\x12\x12\n\nnum_pieces\x18\x05 \x01(\x05\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x12\n\nnum_splits\x18\x07 \x01(\x05\x12\x18\n\x10key_factors_json\x18\x08 \x01(\t\"o\n\x0c\x43ompileEvent\x12,\n\x08progress\x18\x01 \x01(\x0b\x32\x18.kiln.v1.CompileProgressH\x00\x12(\n\x06result\x18\x02 \x01(\x0b\x32\x16.kiln.v1.CompileResultH\x00\x42\x07\n\x05\x65vent\"L\n\x12GetArtifactRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"b\n\x0e\x41rtifactHeader\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x15\n\rmanifest_json\x18\x03 \x01(\t\x12\x16\n\x0esignature_json\x18\x04 \x01(\tJ\x04\x08\x01\x10\x02R\x06sha256\"U\n\rArtifactChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kiln.v1.ArtifactHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"\x16\n\x14ListArtifactsRequest\"\xae\x01\n\x0c\x41rtifactInfo\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0e\x63onfig_summary\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x16\n\x0elast_used_unix\x18\x06 \x01(\x01\x12\x12\n\nnum_pieces\x18\x07 \x01(\x05\"A\n\x15ListArtifactsResponse\x12(\n\tartifacts\x18\x01 \x03(\x0b\x32\x15.kiln.v1.ArtifactInfo\":\n\x15\x44\x65leteArtifactRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\"-\n\x16\x44\x65leteArtifactResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\x32\xb6\x02\n\x0e\x43ompileService\x12;\n\x07\x43ompile\x12\x17.kiln.v1.CompileRequest\x1a\x15.kiln.v1.CompileEvent0\x01\x12\x44\n\x0bGetArtifact\x12\x1b.kiln.v1.GetArtifactRequest\x1a\x16.kiln.v1.ArtifactChunk0\x01\x12N\n\rListArtifacts\x12\x1d.kiln.v1.ListArtifactsRequest\x1a\x1e.kiln.v1.ListArtifactsResponse\x12Q\n\x0e\x44\x65leteArtifact\x12\x1e.kiln.v1.DeleteArtifactRequest\x1a\x1f.kiln.v1.DeleteArtifactResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/compile.proto\x12\x07kiln.v1\x1a\x13protos/common.proto\"m\n\x0e\x43ompileRequest\x12!\n\x05model\x18\x01 \x01(\x0b\x32\x12.kiln.v1.ModelSpec\x12&\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x16.kiln.v1.CompileConfig\x12\x10\n\x08key_only\x18\x03 \x01(\x08\"t\n\x0f\x43ompileProgress\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05piece\x18\x02 \x01(\x05\x12\x12\n\nnum_pieces\x18\x03 \x01(\x05\x12\x0c\n\x04size\x18\x04 \x01(\t\x12\x11\n\telapsed_s\x18\x05 \x01(\x01\x12\x0e\n\x06region\x18\x06 \x01(\t\"\xd5\x01\n\rCompileResult\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12%\n\x07timings\x18\x03 \x03(\x0b\x32\x14.kiln.v1.PhaseTiming\x12\x14\n\x0c\x62undle_bytes\x18\x04 \x01(\x03\x12\x12\n\nnum_pieces\x18\x05 \x01(\x05\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x12\n\nnum_splits\x18\x07 \x01(\x05\x12\x18\n\x10key_factors_json\x18\x08 \x01(\t\"o\n\x0c\x43ompileEvent\x12,\n\x08progress\x18\x01 \x01(\x0b\x32\x18.kiln.v1.CompileProgressH\x00\x12(\n\x06result\x18\x02 \x01(\x0b\x32\x16.kiln.v1.CompileResultH\x00\x42\x07\n\x05\x65vent\"L\n\x12GetArtifactRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\"b\n\x0e\x41rtifactHeader\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12\x15\n\rmanifest_json\x18\x03 \x01(\t\x12\x16\n\x0esignature_json\x18\x04 \x01(\tJ\x04\x08\x01\x10\x02R\x06sha256\"U\n\rArtifactChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.kiln.v1.ArtifactHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"\x16\n\x14ListArtifactsRequest\"\xae\x01\n\x0c\x41rtifactInfo\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\r\n\x05model\x18\x02 \x01(\t\x12\x16\n\x0e\x63onfig_summary\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x03\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x16\n\x0elast_used_unix\x18\x06 \x01(\x01\x12\x12\n\nnum_pieces\x18\x07 \x01(\x05\"A\n\x15ListArtifactsResponse\x12(\n\tartifacts\x18\x01 \x03(\x0b\x32\x15.kiln.v1.ArtifactInfo\":\n\x15\x44\x65leteArtifactRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\"-\n\x16\x44\x65leteArtifactResponse\x12\x13\n\x0b\x66reed_bytes\x18\x01 \x01(\x03\x32\xb6\x02\n\x0e\x43ompileService\x12;\n\x07\x43ompile\x12\x17.kiln.v1.CompileRequest\x1a\x15.kiln.v1.CompileEvent0\x01\x12\x44\n\x0bGetArtifact\x12\x1b.kiln.v1.GetArtifactRequest\x1a\x16.kiln.v1.ArtifactChunk0\x01\x12N\n\rListArtifacts\x12\x1d.kiln.v1.ListArtifactsRequest\x1a\x1e.kiln.v1.ListArtifactsResponse\x12Q\n\x0e\x44\x65leteArtifact\x12\x1e.kiln.v1.DeleteArtifactRequest\x1a\x1f.kiln.v1.DeleteArtifactResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPILEREQUEST']._serialized_start=54
   _globals['_COMPILEREQUEST']._serialized_end=163
   _globals['_COMPILEPROGRESS']._serialized_start=165
-  _globals['_COMPILEPROGRESS']._serialized_end=265
-  _globals['_COMPILERESULT']._serialized_start=268
-  _globals['_COMPILERESULT']._serialized_end=481
-  _globals['_COMPILEEVENT']._serialized_start=483
-  _globals['_COMPILEEVENT']._serialized_end=594
-  _globals['_GETARTIFACTREQUEST']._serialized_start=596
-  _globals['_GETARTIFACTREQUEST']._serialized_end=672
-  _globals['_ARTIFACTHEADER']._serialized_start=674
-  _globals['_ARTIFACTHEADER']._serialized_end=772
-  _globals['_ARTIFACTCHUNK']._serialized_start=774
-  _globals['_ARTIFACTCHUNK']._serialized_end=859
-  _globals['_LISTARTIFACTSREQUEST']._serialized_start=861
-  _globals['_LISTARTIFACTSREQUEST']._serialized_end=883
-  _globals['_ARTIFACTINFO']._serialized_start=886
-  _globals['_ARTIFACTINFO']._serialized_end=1060
-  _globals['_LISTARTIFACTSRESPONSE']._serialized_start=1062
-  _globals['_LISTARTIFACTSRESPONSE']._serialized_end=1127
-  _globals['_DELETEARTIFACTREQUEST']._serialized_start=1129
-  _globals['_DELETEARTIFACTREQUEST']._serialized_end=1187
-  _globals['_DELETEARTIFACTRESPONSE']._serialized_start=1189
-  _globals['_DELETEARTIFACTRESPONSE']._serialized_end=1234
-  _globals['_COMPILESERVICE']._serialized_start=1237
-  _globals['_COMPILESERVICE']._serialized_end=1547
+  _globals['_COMPILEPROGRESS']._serialized_end=281
+  _globals['_COMPILERESULT']._serialized_start=284
+  _globals['_COMPILERESULT']._serialized_end=497
+  _globals['_COMPILEEVENT']._serialized_start=499
+  _globals['_COMPILEEVENT']._serialized_end=610
+  _globals['_GETARTIFACTREQUEST']._serialized_start=612
+  _globals['_GETARTIFACTREQUEST']._serialized_end=688
+  _globals['_ARTIFACTHEADER']._serialized_start=690
+  _globals['_ARTIFACTHEADER']._serialized_end=788
+  _globals['_ARTIFACTCHUNK']._serialized_start=790
+  _globals['_ARTIFACTCHUNK']._serialized_end=875
+  _globals['_LISTARTIFACTSREQUEST']._serialized_start=877
+  _globals['_LISTARTIFACTSREQUEST']._serialized_end=899
+  _globals['_ARTIFACTINFO']._serialized_start=902
+  _globals['_ARTIFACTINFO']._serialized_end=1076
+  _globals['_LISTARTIFACTSRESPONSE']._serialized_start=1078
+  _globals['_LISTARTIFACTSRESPONSE']._serialized_end=1143
+  _globals['_DELETEARTIFACTREQUEST']._serialized_start=1145
+  _globals['_DELETEARTIFACTREQUEST']._serialized_end=1203
+  _globals['_DELETEARTIFACTRESPONSE']._serialized_start=1205
+  _globals['_DELETEARTIFACTRESPONSE']._serialized_end=1250
+  _globals['_COMPILESERVICE']._serialized_start=1253
+  _globals['_COMPILESERVICE']._serialized_end=1563
 # @@protoc_insertion_point(module_scope)

@@ -18,18 +18,20 @@ class CompileRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key_only: _Optional[bool] = ...) -> None: ...
 
 class CompileProgress(_message.Message):
-    __slots__ = ("phase", "piece", "num_pieces", "size", "elapsed_s")
+    __slots__ = ("phase", "piece", "num_pieces", "size", "elapsed_s", "region")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PIECE_FIELD_NUMBER: _ClassVar[int]
     NUM_PIECES_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     phase: str
     piece: int
     num_pieces: int
     size: str
     elapsed_s: float
-    def __init__(self, phase: _Optional[str] = ..., piece: _Optional[int] = ..., num_pieces: _Optional[int] = ..., size: _Optional[str] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    region: str
+    def __init__(self, phase: _Optional[str] = ..., piece: _Optional[int] = ..., num_pieces: _Optional[int] = ..., size: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., region: _Optional[str] = ...) -> None: ...
 
 class CompileResult(_message.Message):
     __slots__ = ("key", "cache_hit", "timings", "bundle_bytes", "num_pieces", "total_s", "num_splits", "key_factors_json")

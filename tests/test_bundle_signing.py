@@ -69,24 +69,24 @@ def rewrite_manifest(path, key: str) -> None:
 
 
 def file_changed(path, marker, key):
-    data = bytearray((path / bundle.COMPILED_FN).read_bytes())
+    data = bytearray((path / bundle.compiled_layer_file(0)).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (path / bundle.COMPILED_FN).write_bytes(bytes(data))
+    (path / bundle.compiled_layer_file(0)).write_bytes(bytes(data))
 
 
 def pickle_swapped_manifest_recomputed(path, marker, key):
-    (path / bundle.COMPILED_FN).write_bytes(malicious_pickle(marker))
+    (path / bundle.compiled_layer_file(0)).write_bytes(malicious_pickle(marker))
     rewrite_manifest(path, key)
 
 
 def signed_by_another_key(path, marker, key):
-    (path / bundle.COMPILED_FN).write_bytes(malicious_pickle(marker))
+    (path / bundle.compiled_layer_file(0)).write_bytes(malicious_pickle(marker))
     rewrite_manifest(path, key)
     bundle.sign(path, Signer(Ed25519PrivateKey.generate()))
 
 
 def signature_stripped(path, marker, key):
-    (path / bundle.COMPILED_FN).write_bytes(malicious_pickle(marker))
+    (path / bundle.compiled_layer_file(0)).write_bytes(malicious_pickle(marker))
     rewrite_manifest(path, key)
     (path / bundle.SIGNATURE).unlink()
 
@@ -96,7 +96,7 @@ def signature_garbled(path, marker, key):
 
 
 @pytest.mark.parametrize("tamper, code, reason", [
-    (file_changed, grpc.StatusCode.DATA_LOSS, "compiled_fn.bin differs from the sha256 its manifest lists"),
+    (file_changed, grpc.StatusCode.DATA_LOSS, "compiled_layer0.bin differs from the sha256 its manifest lists"),
     (pickle_swapped_manifest_recomputed, grpc.StatusCode.FAILED_PRECONDITION, "does not match the manifest"),
     (signed_by_another_key, grpc.StatusCode.FAILED_PRECONDITION, "is not a trusted key here"),
     (signature_stripped, grpc.StatusCode.FAILED_PRECONDITION, "unsigned (no manifest.sig)"),

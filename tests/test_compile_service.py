@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from kiln import bundle
 from kiln.counters import compile_counts
+from kiln.model_spec import resolve
 from protos import common_pb2, compile_pb2
 
 
@@ -26,12 +27,37 @@ def test_concurrent_identical_compiles_compile_once(tiny_compiles, compile_store
     assert not list((compile_store / ".staging").iterdir())
 
 
-def test_split_gives_one_piece_more_than_attention_calls(tiny_compiles):
+def test_split_gives_a_piece_pair_per_kind_of_layer(tiny_compiles):
     result = next(r for r in tiny_compiles if not r.cache_hit)
-    assert result.num_splits == 2  # tiny-llama: two layers, two attention calls
-    assert result.num_pieces == result.num_splits + 1
+    # tiny-llama: two layers of one kind, compiled once, split at its attention call into two pieces.
+    assert (result.num_pieces, result.num_splits) == (2, 1)
     phases = {t.phase for t in result.timings}
     assert {"trace", "split", "inductor", "save"} <= phases
+
+
+def tiny_with(**fields) -> common_pb2.ModelSpec:
+    return common_pb2.ModelSpec(config_json=json.dumps(
+        json.loads(json.dumps(resolve(TINY_MODEL, "cpu").config.to_dict())) | fields))
+
+
+@pytest.mark.parametrize("model_type, layers, kinds", [
+    ("llama", (2, 4), 1),
+    # Qwen2 with its first layer global and the others local: two kinds, whatever the number of layers.
+    ("qwen2", (3, 5), 2),
+])
+def test_compiles_do_not_grow_with_the_number_of_layers(compile_stub, model_type, layers, kinds):
+    """Dynamo traces one layer per kind and Inductor compiles its two pieces once, for few layers as for more: the
+    layer's compiled code runs for every layer of its kind with that layer's weights as inputs."""
+    config = common_pb2.CompileConfig(device="cpu", max_num_batched_tokens=128)
+    windows = dict(use_sliding_window=True, sliding_window=16, max_window_layers=1) if model_type == "qwen2" else {}
+    counts = set()
+    for n in layers:
+        before = compile_counts()
+        result = compile_result(compile_stub, tiny_with(model_type=model_type, num_hidden_layers=n, **windows), config)
+        assert not result.cache_hit
+        delta = compile_counts() - before
+        counts.add((delta.dynamo_graphs, delta.inductor_compiles, result.num_pieces, result.num_splits))
+    assert counts == {(kinds, 2 * kinds, 2 * kinds, kinds)}
 
 
 def test_second_compile_is_a_hit_without_inductor(compile_stub, tiny_key):
@@ -46,9 +72,9 @@ def test_compile_streams_progress_per_piece_and_size(compile_stub):
     config.CopyFrom(TINY_CONFIG)
     config.compile_sizes.append(4)
     events = list(compile_stub.Compile(compile_pb2.CompileRequest(model=TINY_MODEL, config=config)))
-    inductor = [(e.progress.piece, e.progress.num_pieces, e.progress.size) for e in events
+    inductor = [(e.progress.region, e.progress.piece, e.progress.num_pieces, e.progress.size) for e in events
                 if e.HasField("progress") and e.progress.phase == "inductor"]
-    assert inductor == [(i, 3, s) for s in ("symbolic", "4", "8") for i in (1, 2, 3)]
+    assert inductor == [("layer0", i, 2, s) for s in ("symbolic", "4", "8") for i in (1, 2)]
     assert not events[-1].result.cache_hit
 
 
@@ -58,7 +84,7 @@ def test_full_graph_when_splitting_ops_empty(compile_stub):
     config.splitting_ops.SetInParent()
     del config.compile_sizes[:]
     result = compile_result(compile_stub, config=config)
-    assert (result.num_pieces, result.num_splits) == (1, 0)
+    assert (result.num_pieces, result.num_splits) == (1, 0)  # the layer whole
 
 
 FRESH_PROCESS_LOAD = textwrap.dedent("""
@@ -137,7 +163,7 @@ def test_artifact_calls_name_a_bad_key_or_chunk_size(compile_stub, tiny_key, cal
 def test_list_and_delete(compile_stub, tiny_key):
     listed = {a.key.digest: a for a in compile_stub.ListArtifacts(compile_pb2.ListArtifactsRequest()).artifacts}
     info = listed[tiny_key]
-    assert info.model == "tiny-llama" and info.num_pieces == 3 and info.size_bytes > 0
+    assert info.model == "tiny-llama" and info.num_pieces == 2 and info.size_bytes > 0
     assert info.last_used_unix >= info.created_unix and "sizes=8" in info.config_summary
     # Delete something else than the shared bundle: a full-graph compile made by another test or here.
     config = common_pb2.CompileConfig()
@@ -155,7 +181,7 @@ def test_list_and_delete(compile_stub, tiny_key):
 
 
 def test_corrupted_bundle_is_detected_and_recompiled(compile_stub, compile_store, tiny_key):
-    compiled = compile_store / tiny_key / bundle.COMPILED_FN
+    compiled = compile_store / tiny_key / bundle.compiled_layer_file(0)
     data = bytearray(compiled.read_bytes())
     data[len(data) // 2] ^= 0xFF
     compiled.write_bytes(bytes(data))

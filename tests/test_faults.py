@@ -104,7 +104,11 @@ def test_kill_9_mid_compile_leaves_nothing_after_a_restart(tmp_path, signing_dir
             assert not list((store / ".staging").iterdir()) and not list((store / ".locks").iterdir())
 
             # SIGTERM mid-compile: the process leaves within its grace, not when the compile would have ended.
-            events = stub.Compile(compile_pb2.CompileRequest(model=TINY_MODEL, config=config(compile_sizes=[4])))
+            # A token range no other test compiles: Inductor's cache has none of its pieces, so the compile is still
+            # running when the signal comes (a layer compiled once takes seconds, not a minute).
+            unseen = config(compile_sizes=[4])
+            unseen.max_num_batched_tokens = 120
+            events = stub.Compile(compile_pb2.CompileRequest(model=TINY_MODEL, config=unseen))
             next(e for e in events if e.progress.phase == "trace")
             signalled = time.monotonic()
             second.process.send_signal(signal.SIGTERM)
@@ -116,17 +120,17 @@ def test_kill_9_mid_compile_leaves_nothing_after_a_restart(tmp_path, signing_dir
 
 def test_flipped_bytes_with_the_mtime_kept_are_caught_on_the_next_serve(compile_stub, compile_store, tiny_key,
                                                                        exec_stub, exec_cache, tiny_loaded):
-    flip_keeping_mtime(compile_store / tiny_key / bundle.COMPILED_FN)
+    flip_keeping_mtime(compile_store / tiny_key / bundle.compiled_layer_file(0))
     request = compile_pb2.GetArtifactRequest(key=common_pb2.ArtifactKey(digest=tiny_key))
     error = rpc_error(lambda: list(compile_stub.GetArtifact(request)))
-    assert error.code() == grpc.StatusCode.DATA_LOSS and "compiled_fn.bin" in error.details()
+    assert error.code() == grpc.StatusCode.DATA_LOSS and "compiled_layer0.bin" in error.details()
     assert (compile_store / ".quarantine" / tiny_key).is_dir() and not (compile_store / tiny_key).exists()
     rebuilt = compile_result(compile_stub)
     assert not rebuilt.cache_hit and rebuilt.key.digest == tiny_key
     assert len(list(compile_stub.GetArtifact(request))) > 1
 
     # The exec service's own copy rots too: found when the next load reads it, downloaded again.
-    flip_keeping_mtime(exec_cache / tiny_key / bundle.COMPILED_FN)
+    flip_keeping_mtime(exec_cache / tiny_key / bundle.compiled_layer_file(0))
     events = load_model(exec_stub, "tiny-after-rot")
     assert fetch_detail(events).startswith("downloaded") and (exec_cache / ".quarantine" / tiny_key).is_dir()
     assert len(generate(exec_stub, "tiny-after-rot", [1, 2, 3], max_tokens=3)[0]) == 3

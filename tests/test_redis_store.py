@@ -50,7 +50,7 @@ def key_of(name: str) -> str:
 def stage(store, key: str, payload: bytes, signature: bytes | None = b"signed") -> Path:
     """A bundle as the compile pipeline stages one: files, their manifest, and a signature file."""
     staged = store.staging_dir()
-    (staged / bundle.COMPILED_FN).write_bytes(payload)
+    (staged / bundle.compiled_layer_file(0)).write_bytes(payload)
     (staged / bundle.KEY_FACTORS).write_text(json.dumps({"for": key}))
     bundle.write_manifest(staged, key=key, model="tiny", config_summary="test", num_pieces=1, num_splits=0,
                           timings={}, created_unix=time.time())
@@ -76,7 +76,7 @@ def test_a_committed_bundle_is_read_whole_by_another_replica_in_bounded_chunks(r
     replica = writer(redis_server, tmp_path / "replica-cache", read_only=True)
     path = replica.get(key)
     assert path is not None and path.parent == tmp_path / "replica-cache"
-    assert (path / bundle.COMPILED_FN).read_bytes() == payload
+    assert (path / bundle.compiled_layer_file(0)).read_bytes() == payload
     assert (path / bundle.SIGNATURE).read_bytes() == b"signed"
     assert bundle.verify(path).key == key
     client = redis_server.client()
@@ -101,7 +101,7 @@ def test_a_recommit_replaces_the_bundle_and_lets_the_old_chunks_expire(redis_ser
     client = redis_server.client()
     assert all(0 < client.ttl(k) for k in old), "a reader in the middle of the old chunks can finish"
     replica = writer(redis_server, tmp_path / "replica", read_only=True)
-    assert (replica.get(key) / bundle.COMPILED_FN).read_bytes() == b"second" * 2000
+    assert (replica.get(key) / bundle.compiled_layer_file(0)).read_bytes() == b"second" * 2000
 
 
 HOLDER = textwrap.dedent("""
@@ -115,14 +115,14 @@ HOLDER = textwrap.dedent("""
         print("holding", flush=True)
         staged = store.staging_dir()
         if mode == "fifo":  # upload from a pipe the test feeds, so the test can kill us mid-upload
-            os.mkfifo(staged / bundle.COMPILED_FN)
+            os.mkfifo(staged / bundle.compiled_layer_file(0))
             size = int(sys.argv[6])
             (staged / bundle.MANIFEST).write_text(bundle.Manifest(
                 key=key, model="tiny", config_summary="", num_pieces=1, num_splits=0, timings={}, created_unix=0,
-                files={bundle.COMPILED_FN: {"sha256": "0" * 64, "size": size}}).to_json())
-            print(staged / bundle.COMPILED_FN, flush=True)
+                files={bundle.compiled_layer_file(0): {"sha256": "0" * 64, "size": size}}).to_json())
+            print(staged / bundle.compiled_layer_file(0), flush=True)
         else:
-            (staged / bundle.COMPILED_FN).write_bytes(b"holder" * 1000)
+            (staged / bundle.compiled_layer_file(0)).write_bytes(b"holder" * 1000)
             (staged / bundle.KEY_FACTORS).write_text("{}")
             bundle.write_manifest(staged, key=key, model="tiny", config_summary="", num_pieces=1, num_splits=0,
                                   timings={}, created_unix=time.time())
@@ -176,8 +176,8 @@ def test_a_killed_holder_loses_its_lease_after_the_ttl_and_the_next_one_commits(
         assert store.get(key) is None, "the killed holder committed nothing"
         store.commit(key, stage(store, key, b"takeover"))
     assert 0.3 * LEASE_S < waited < LEASE_S + 2, f"took over after {waited:.2f}s for a {LEASE_S}s lease"
-    assert (writer(redis_server, tmp_path / "r", read_only=True).get(key) / bundle.COMPILED_FN).read_bytes() == \
-        b"takeover"
+    reader = writer(redis_server, tmp_path / "r", read_only=True)
+    assert (reader.get(key) / bundle.compiled_layer_file(0)).read_bytes() == b"takeover"
 
 
 def test_a_stalled_holder_whose_lease_was_taken_over_is_fenced_at_commit(redis_server, tmp_path):
@@ -193,7 +193,7 @@ def test_a_stalled_holder_whose_lease_was_taken_over_is_fenced_at_commit(redis_s
     out, _ = child.communicate("commit\n", timeout=60)
     assert out.startswith("LeaseLost") and key in out, out
     replica = writer(redis_server, tmp_path / "replica", read_only=True)
-    assert (replica.get(key) / bundle.COMPILED_FN).read_bytes() == b"newer", "the newer commit stands"
+    assert (replica.get(key) / bundle.compiled_layer_file(0)).read_bytes() == b"newer", "the newer commit stands"
     assert len(chunk_keys(redis_server, key)) == 2, "the fenced upload left no chunks behind"
 
 
@@ -249,7 +249,7 @@ def test_an_unreachable_store_is_unavailable_naming_it_and_nothing_is_lost(redis
         with store.lock(key_of("j")):
             pass
     redis_server.start()
-    assert (replica.get(key) / bundle.COMPILED_FN).read_bytes() == b"kept" * 5000
+    assert (replica.get(key) / bundle.compiled_layer_file(0)).read_bytes() == b"kept" * 5000
 
 
 def test_the_password_comes_from_the_environment_and_never_into_the_location(tmp_path, monkeypatch):
@@ -350,7 +350,7 @@ def test_memory_stays_bounded_while_a_50_mb_bundle_streams_in_and_out(redis_serv
     key, size = key_of("big"), 50 << 20
     staging = FilesystemStore(tmp_path / "writer")
     staged = staging.staging_dir()
-    with open(staged / bundle.COMPILED_FN, "wb") as f:
+    with open(staged / bundle.compiled_layer_file(0), "wb") as f:
         for _ in range(size >> 20):
             f.write(os.urandom(1 << 20))
     (staged / bundle.KEY_FACTORS).write_text("{}")
@@ -363,7 +363,7 @@ def test_memory_stays_bounded_while_a_50_mb_bundle_streams_in_and_out(redis_serv
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert result.returncode == 0, result.stderr
         growth[mode] = json.loads(result.stdout)["growth_kib"] / 1024
-    assert (tmp_path / "reader" / key / bundle.COMPILED_FN).stat().st_size == size
+    assert (tmp_path / "reader" / key / bundle.compiled_layer_file(0)).stat().st_size == size
     # Chunks of 1 MiB, batches of 4 MiB: the peak grows by a few batches (measured: ~4 MiB writing, ~12 MiB
     # reading), not by the bundle's 50 MiB.
     assert growth["write"] < 20 and growth["read"] < 20, f"peak RSS growth in MiB for a 50 MiB bundle: {growth}"

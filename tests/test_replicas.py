@@ -18,7 +18,7 @@ from conftest import TINY_CONFIG, TINY_MODEL, BackgroundServer, otel_env
 from google.protobuf import json_format
 from redis_server import RedisServer
 
-from kiln import bundle
+from kiln import bundle, cache_key
 from kiln.grpc_server import CHANNEL_OPTIONS
 from kiln.redis_store import RedisStore
 from kiln_cli.service_process import ServiceProcess, free_port, kiln_command
@@ -27,7 +27,6 @@ from tracing import spans
 
 LEASE_S = 3.0
 SMALL_KV = 1 << 20  # replicas' KV caches stay small, so memory measurements see the bundle, not the cache
-BIG_MAX_TOKENS = 64  # the padded bundle's token range, inside the tiny bundle's
 TAKEOVER_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[4, 8], max_num_batched_tokens=128)
 
 
@@ -199,7 +198,7 @@ def test_altered_chunks_in_redis_are_refused_and_never_loaded(cluster, takeover)
     key = takeover[0][-1].result.key.digest
     client = cluster.redis.client()
     entry = client.hgetall(f"kiln:bundle:{key}")
-    victim = f"kiln:chunk:{key}:{entry[b'generation'].decode()}:{bundle.COMPILED_FN}:0"
+    victim = f"kiln:chunk:{key}:{entry[b'generation'].decode()}:{bundle.compiled_layer_file(0)}:0"
     original = client.getrange(victim, 0, 15)
     client.setrange(victim, 0, bytes(b ^ 0xFF for b in original))
     try:
@@ -215,27 +214,32 @@ def test_altered_chunks_in_redis_are_refused_and_never_loaded(cluster, takeover)
         client.setrange(victim, 0, original)
 
 
-def plant(cluster, source_key: str, key: str, signing_key: Path, padding_mib: int = 0,
-          factors: dict | None = None) -> None:
-    """Commit to Redis, under ``key``, the bundle of ``source_key`` (plus listed padding; with ``factors`` for its
-    key_factors.json), signed with ``signing_key``: what any writer of the store could put there."""
+def plant(cluster, source_key: str, key: str | None, signing_key: Path, padding_mib: int = 0) -> str:
+    """Commit to Redis, under ``key``, the bundle of ``source_key`` (plus listed padding), signed with
+    ``signing_key``: what any writer of the store could put there. With no ``key``, the factors say which padding
+    the bundle carries and the key is their digest, as a compile service's would be."""
     from kiln.signing import Signer
 
+    source = RedisStore(cluster.url, cluster.root / f"source-{source_key[:8]}", read_only=True).get(source_key)
+    manifest = json.loads((source / bundle.MANIFEST).read_text())
+    factors = json.loads((source / bundle.KEY_FACTORS).read_text())
+    if key is None:
+        factors["padding_mib"] = padding_mib
+        key = cache_key.digest(factors)
     writer = RedisStore(cluster.url, cluster.root / f"writer-{key[:8]}", lease_s=LEASE_S,
                         signer=Signer.load(signing_key))
-    source = RedisStore(cluster.url, cluster.root / f"source-{key[:8]}", read_only=True).get(source_key)
     with writer.lock(key):
         staged = writer.staging_dir()
-        (staged / bundle.COMPILED_FN).write_bytes((source / bundle.COMPILED_FN).read_bytes())
-        (staged / bundle.KEY_FACTORS).write_text(json.dumps(factors) if factors is not None
-                                                 else (source / bundle.KEY_FACTORS).read_text())
+        for name in manifest["files"]:
+            (staged / name).write_bytes((source / name).read_bytes())
+        (staged / bundle.KEY_FACTORS).write_text(json.dumps(factors))
         if padding_mib:
             with open(staged / "padding.bin", "wb") as f:
                 for _ in range(padding_mib):
                     f.write(os.urandom(1 << 20))
-        manifest = json.loads((source / bundle.MANIFEST).read_text())
         bundle.write_manifest(staged, **{k: v for k, v in manifest.items() if k != "files"} | {"key": key})
         writer.commit(key, staged)
+    return key
 
 
 def test_a_bundle_in_redis_signed_by_an_untrusted_key_is_refused_and_never_loaded(cluster, first_loads, tmp_path):
@@ -282,27 +286,15 @@ def _memory_kib(pid: int) -> dict[str, int]:
 
 
 def test_a_replica_streams_a_50_mb_bundle_from_redis_in_bounded_memory(cluster, first_loads):
-    """The tiny model's bundle plus 50 MiB of listed, hashed padding, under a key of its own: replica 3 (a child
-    process) copies it from Redis to disk while its peak RSS grows by a fraction of that.
-
-    A key is the digest of its factors, so the padded bundle gets factors of its own: the tiny model's with a smaller
-    token range, which its compiled function (symbolic over the larger one) serves."""
-    from kiln import cache_key
-
-    source_key = first_loads[0][-1].ready.key.digest
-    source = RedisStore(cluster.url, cluster.root / "big-source", read_only=True).get(source_key)
-    factors = json.loads((source / bundle.KEY_FACTORS).read_text())
-    factors["compile_config"]["max_num_batched_tokens"] = BIG_MAX_TOKENS
-    big_key = cache_key.digest(factors)
-    plant(cluster, source_key, big_key, cluster.signing_key, padding_mib=50, factors=factors)
-    config = common_pb2.CompileConfig()
-    config.CopyFrom(TINY_CONFIG)
-    config.max_num_batched_tokens = BIG_MAX_TOKENS
+    """The tiny model's bundle plus 50 MiB of listed, hashed padding, under a key of its own (its factors say so, so
+    that they hash to it): replica 3 (a child
+    process) copies it from Redis to disk while its peak RSS grows by a fraction of that."""
+    big_key = plant(cluster, first_loads[0][-1].ready.key.digest, None, cluster.signing_key, padding_mib=50)
 
     pid = cluster.replica3.process.pid
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _memory_kib(pid)
-    load(cluster.exec_stub(3), "tiny-big", config=config, key=common_pb2.ArtifactKey(digest=big_key))
+    load(cluster.exec_stub(3), "tiny-big", key=common_pb2.ArtifactKey(digest=big_key))
     after = _memory_kib(pid)
     growth_mib = (after["VmHWM"] - before["VmRSS"]) / 1024
     assert (cluster.root / "replica3-cache" / big_key / "padding.bin").stat().st_size == 50 << 20

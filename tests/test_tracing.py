@@ -81,7 +81,10 @@ def test_compile_is_one_trace_from_client_to_inductor(traced_compile_server, otl
         spans.NUM_PIECES: result.num_pieces, spans.BYTES: result.bundle_bytes}
     phases = [s for s in trace if s.parent_span_id == compile_span.span_id]
     assert {s.name for s in phases} == {spans.TRACE, spans.SPLIT, spans.INDUCTOR, spans.SAVE}
-    assert named[spans.SPLIT].attributes == {spans.NUM_PIECES: result.num_pieces, spans.NUM_SPLITS: result.num_splits}
+    # tiny-llama's layers are one kind: one trace and one split, of the layer that serves both.
+    assert named[spans.TRACE].attributes == {spans.REGION: "layer0"}
+    assert named[spans.SPLIT].attributes == {spans.NUM_PIECES: result.num_pieces, spans.NUM_SPLITS: result.num_splits,
+                                             spans.REGION: "layer0"}
     assert named[spans.SAVE].attributes == {spans.BYTES: result.bundle_bytes}
     assert named[spans.TRACE].end_ns <= named[spans.SPLIT].start_ns  # Dynamo, then the backend's own phases
 
@@ -89,7 +92,8 @@ def test_compile_is_one_trace_from_client_to_inductor(traced_compile_server, otl
     sizes = ["symbolic", *map(str, TINY_CONFIG.compile_sizes)]
     assert sorted((s.attributes[spans.PIECE], s.attributes[spans.COMPILE_SIZE]) for s in inductor) == sorted(
         (piece, size) for piece in range(1, result.num_pieces + 1) for size in sizes)
-    assert all(isinstance(s.attributes[spans.CACHE_HIT], bool) for s in inductor)
+    assert all(isinstance(s.attributes[spans.CACHE_HIT], bool) and s.attributes[spans.REGION] == "layer0"
+               for s in inductor)
     for s in phases:
         assert compile_span.start_ns <= s.start_ns <= s.end_ns <= compile_span.end_ns
 

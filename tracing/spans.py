@@ -35,6 +35,7 @@ NUM_PIECES = "kiln.num_pieces"
 NUM_SPLITS = "kiln.num_splits"
 PIECE = "kiln.piece"
 COMPILE_SIZE = "kiln.compile_size"  # a token count, or "symbolic"
+REGION = "kiln.region"  # the compiled region: layer0, layer1, ... (one per kind of decoder layer)
 BYTES = "kiln.bytes"
 BATCH_SIZE = "kiln.batch_size"  # sequences in the step
 NUM_TOKENS = "kiln.num_tokens"

@@ -103,6 +103,7 @@ class ModelRunner:
             for tokens in sorted({min(2, self.config.max_num_batched_tokens), self.config.max_num_batched_tokens}):
                 self.compiled(self.token_model, torch.zeros(tokens, dtype=torch.int64, device=self.device),
                               torch.arange(tokens, device=self.device))
+            self.compiled.skip_guard_checks()  # every layer's weights passed torch's guards just now
             self._warm_up_paged_attention()
 
     def _warm_up_paged_attention(self) -> None:

@@ -156,8 +156,9 @@ class BundleFetcher:
                     progress(f"compile service: {hit}, key {result.key.digest}")
                 else:
                     p = event.progress
+                    region = f" {p.region}" if p.region else ""
                     piece = f" piece {p.piece}/{p.num_pieces} size {p.size}" if p.phase == "inductor" else ""
-                    progress(f"compile service: {p.phase}{piece} at {p.elapsed_s:.1f}s")
+                    progress(f"compile service: {p.phase}{region}{piece} at {p.elapsed_s:.1f}s")
         except grpc.RpcError as exc:
             raise _failed_call(exc) from None
         if result is None:
