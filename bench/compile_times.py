@@ -141,7 +141,8 @@ def main() -> None:
         tmp = Path(tmp)
         from kiln.signing import generate_key_pair
 
-        keys = str(generate_key_pair(tmp / "keys")[0].parent)  # the bundles are signed, and checked at load
+        # The bundles are signed, and checked at load; kept stores keep their keys beside them.
+        keys = str(generate_key_pair((args.keep_stores or tmp) / "keys")[0].parent)
         for label in args.variants.split(","):
             for layers in layer_counts:
                 name = f"{label.replace(' ', '-')}-L{layers or 'preset'}"
