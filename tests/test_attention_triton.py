@@ -244,7 +244,7 @@ def test_attention_op_runs_the_triton_kernels(window, softcap):
     ref_cache = case.kv_cache.clone()
     ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale, **case.layer)
     with forward_context(ForwardContext(kv_caches=[None, case.kv_cache], metadata=case.meta)):
-        out = attention(case.q, case.k, case.v, 1, case.scale, window, softcap)
+        out = attention(case.q, case.k, case.v, torch.tensor(1), case.scale, window, softcap)
     assert torch.equal(case.kv_cache, ref_cache)
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
