@@ -1,0 +1,162 @@
+"""What one decode step's time is made of: the GPU kernels of Kiln's compiled forward, replayed from its CUDA graph,
+per decoder layer, at a few batch sizes, each against the layer's share of the memory-bandwidth floor.
+
+A kernel is a layer's when it runs a multiple of num_hidden_layers times per step; the rest (embedding, final norm,
+the head and the logits) is listed once per step. The floor of a layer is its weight bytes plus the KV bytes its
+attention reads, over the copy bandwidth measured in this run.
+
+usage: python bench/layer_kernels.py --bundle STORE/KEY [--trusted-keys KEYS] [--preset llama-3-8b]
+                                     [--batch-sizes 1,8,32] [--json-out FILE]
+"""
+
+import argparse
+import json
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from forward_latency import BLOCK_SIZE, copy_bandwidth, decode_metadata, fill_step_buffers
+
+from exec_service.engine import kv_cache
+from exec_service.engine.cuda_graphs import CUDAGraphs
+from exec_service.engine.step_inputs import StepBuffers
+from kiln.bundle import load_compiled
+from kiln.counters import expect_no_compile
+from kiln.model import build_model, weights_bytes
+from kiln.model_spec import resolve
+from kiln.signing import TrustedKeys, local_keys_dir
+from protos import common_pb2
+
+STEPS = 20  # replays profiled per batch size
+
+
+def kind_of(name: str) -> str:
+    """A kernel's role, from the names cuBLAS, Inductor and Kiln's attention kernels give them."""
+    lowered = name.lower()
+    if re.search(r"gemm|gemv|nvjet|cutlass|xmma|sm90|splitk|matmul|mm_", lowered):
+        return "GEMM"
+    if "attention" in lowered or "decode" in lowered or "prefill" in lowered or "kv_" in lowered:
+        return "attention (Kiln)"
+    if lowered.startswith("triton_red") or lowered.startswith("triton_per"):
+        return "reduction (norm) fusion"
+    if lowered.startswith("triton_poi"):
+        return "pointwise fusion"
+    if "memcpy" in lowered or "memset" in lowered or "copy" in lowered:
+        return "copy"
+    return "other"
+
+
+def profile_step(replay, steps: int) -> dict[str, tuple[int, float]]:
+    """Kernel name -> (calls per step, µs per step), from the profiler's CUDA kernel events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name]
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us()
+    return {name: (calls // steps, us / steps) for name, (calls, us) in totals.items()}
+
+
+def layer_table(kernels: dict[str, tuple[int, float]], layers: int) -> tuple[list[dict], list[dict]]:
+    """Per-layer kernels (name, calls per layer, µs per layer) and the step's other kernels (name, calls, µs)."""
+    per_layer, rest = [], []
+    for name, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        if calls and calls % layers == 0:
+            per_layer.append({"kernel": name, "kind": kind_of(name), "calls": calls // layers, "us": us / layers})
+        else:
+            rest.append({"kernel": name, "kind": kind_of(name), "calls": calls, "us": us})
+    return per_layer, rest
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bundle", required=True, type=Path)
+    p.add_argument("--trusted-keys", type=Path, help="public key(s) the bundle must be signed by (default: the key "
+                   "pair kept beside its store)")
+    p.add_argument("--preset", default="llama-3-8b")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args()
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    torch.set_grad_enabled(False)
+    resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
+    model = build_model(resolved, "cuda")
+    config = resolved.config
+    layers = config.num_hidden_layers
+    spec = kv_cache.KVCacheSpec.from_config(config, BLOCK_SIZE, resolved.dtype)
+    max_blocks = -(-(args.context + 1) // BLOCK_SIZE)
+    caches = kv_cache.allocate(spec, max(sizes) * max_blocks, "cuda")
+    for cache in caches:
+        cache.normal_()
+    with expect_no_compile("loading the bundle"):
+        compiled = load_compiled(args.bundle, args.bundle.name, TrustedKeys.load(
+            args.trusted_keys or local_keys_dir(args.bundle.parent)))
+    bandwidth = copy_bandwidth()
+    layer_weight_bytes = sum(t.numel() * t.element_size()
+                             for t in model.causal_lm.base_model.layers[0].state_dict().values())
+    buffers = StepBuffers(max(sizes), max(sizes), max_blocks, BLOCK_SIZE, config.vocab_size, "cuda")
+    graphs = CUDAGraphs(lambda ids, pos: compiled(model, ids, pos), tuple(sizes), buffers, config.hidden_size,
+                        resolved.dtype, torch.device("cuda"))
+    with expect_no_compile("capturing"):
+        graphs.capture(caches)
+
+    report = {"preset": args.preset, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+              "bandwidth": bandwidth, "weights_bytes": weights_bytes(model), "layer_weight_bytes": layer_weight_bytes,
+              "sizes": {}}
+    for bs in sizes:
+        meta = decode_metadata(bs, args.context, max_blocks)
+        fill_step_buffers(buffers, torch.randint(0, config.vocab_size, (bs,), device="cuda"),
+                          torch.full((bs,), args.context, dtype=torch.int64, device="cuda"), meta)
+        padded = graphs.padded_size(bs, True)
+        kernels = profile_step(lambda padded=padded, bs=bs: model.logits(graphs.replay(padded)[:bs]), STEPS)
+        per_layer, rest = layer_table(kernels, layers)
+        kv_layer = bs * (args.context + 1) * spec.block_bytes // BLOCK_SIZE // layers
+        floor_us = (layer_weight_bytes + kv_layer) / bandwidth * 1e6
+        report["sizes"][bs] = {"layer_floor_us": floor_us, "per_layer": per_layer, "rest": rest,
+                               "layer_us": sum(k["us"] for k in per_layer), "rest_us": sum(k["us"] for k in rest)}
+        print(json.dumps({"batch_size": bs, "layer_floor_us": floor_us,
+                          "layer_us": report["sizes"][bs]["layer_us"]}), flush=True)
+    print_tables(report)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=1))
+
+
+def print_tables(report: dict) -> None:
+    sizes = list(report["sizes"])
+    print(f"\n{report['preset']} bf16 decode, one decoder layer, {report['device']}, {report['date']}; copy bandwidth "
+          f"{report['bandwidth'] / 1e12:.2f} TB/s, layer weights {report['layer_weight_bytes'] / 1e6:.1f} MB")
+    print("| kernel | kind | calls/layer | " + " | ".join(f"bs {bs} µs (% of floor)" for bs in sizes) + " |")
+    print("|---|---|---|" + "---|" * len(sizes))
+    names: dict[str, dict] = {}
+    for bs in sizes:
+        for k in report["sizes"][bs]["per_layer"]:
+            names.setdefault(k["kernel"], {"kind": k["kind"], "calls": k["calls"]})[bs] = k["us"]
+    for name, row in names.items():
+        cells = []
+        for bs in sizes:
+            us, floor = row.get(bs), report["sizes"][bs]["layer_floor_us"]
+            cells.append("–" if us is None else f"{us:.1f} ({100 * us / floor:.0f}%)")
+        print(f"| `{name[:70]}` | {row['kind']} | {row['calls']} | " + " | ".join(cells) + " |")
+    totals = []
+    for bs in sizes:
+        s = report["sizes"][bs]
+        totals.append(f"{s['layer_us']:.1f} / {s['layer_floor_us']:.1f} = {s['layer_us'] / s['layer_floor_us']:.2f}x")
+    print("| **layer total / floor** | | | " + " | ".join(totals) + " |")
+    print("| rest of the step (embedding, final norm, head) µs | | | "
+          + " | ".join(f"{report['sizes'][bs]['rest_us']:.1f}" for bs in sizes) + " |")
+
+
+if __name__ == "__main__":
+    main()
