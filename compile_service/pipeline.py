@@ -88,7 +88,7 @@ def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: Artifact
         try:
             staged = store.staging_dir()
             # One compile at a time: Dynamo's state and the cache directories' environment variables are global.
-            with _compile_lock, partitioned_caches():
+            with _compile_lock, partitioned_caches(config.device):
                 manifest = _compile_into(staged, key, factors, model, config, progress)
             store.commit(key, staged)
         except KilnError:  # the store's own refusal (unreachable, lease lost): its status, not INTERNAL

@@ -43,7 +43,7 @@ def environment_factors(device: str) -> dict:
     else:
         from kiln.compiler_caches import partition_factors
 
-        isa = partition_factors()
+        isa = partition_factors(device)
         factors["cpu_isa"] = isa["cpu_capability"]
         factors["inductor_vec_isa"] = isa["inductor_vec_isa"]
         factors["cpu_threads"] = torch.get_num_threads()

@@ -17,16 +17,22 @@ from pathlib import Path
 PARTITION_FILE = "kiln-partition.json"
 
 
-def partition_factors() -> dict:
-    """What this process's generated code depends on that Inductor's and Triton's keys do not hold."""
-    import torch
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+def partition_factors(device: str) -> dict:
+    """What this process's generated code for ``device`` depends on that Inductor's and Triton's keys do not hold.
 
-    return {
+    The vector ISA Inductor's C++ code is built for counts for CPU code only: finding it compiles a test program
+    per ISA (25 s of a cold compile on the H200 machine), and a CUDA compile's kernels are Triton's."""
+    import torch
+
+    factors = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # follows ATEN_CPU_CAPABILITY
-        "inductor_vec_isa": str(pick_vec_isa()),  # what Inductor's C++ codegen vectorizes for
         "machine": platform.machine(),
     }
+    if device == "cpu":
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        factors["inductor_vec_isa"] = str(pick_vec_isa())  # what Inductor's C++ codegen vectorizes for
+    return factors
 
 
 def partition_name(factors: dict) -> str:
@@ -35,7 +41,7 @@ def partition_name(factors: dict) -> str:
 
 
 @contextmanager
-def partitioned_caches() -> Iterator[Path]:
+def partitioned_caches(device: str) -> Iterator[Path]:
     """Point Inductor and Triton at this process's partition for the duration; yields the Inductor directory.
 
     Sets the environment variables torch and Triton read on every lookup, so it must not overlap another compile
@@ -44,7 +50,7 @@ def partitioned_caches() -> Iterator[Path]:
     from torch._inductor import utils as inductor_utils
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    factors = partition_factors()
+    factors = partition_factors(device)
     name = partition_name(factors)
     saved = {var: os.environ.get(var) for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     inductor_dir = Path(saved["TORCHINDUCTOR_CACHE_DIR"] or default_cache_dir()).absolute() / name

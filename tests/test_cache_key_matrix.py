@@ -321,7 +321,7 @@ def test_new_key_from_another_process(compile_stub, other_servers, tiny_key, row
 def test_compile_caches_are_partitioned_by_cpu_isa(other_servers, tiny_compiles, tmp_path):
     """The session's compile used this process's partition; the AVX2 process would use another one."""
     avx2 = factors_of(key_of(other_servers["factors"]))["environment"]
-    here = compiler_caches.partition_factors()
+    here = compiler_caches.partition_factors("cpu")
     other = {"cpu_capability": avx2["cpu_isa"], "inductor_vec_isa": avx2["inductor_vec_isa"],
              "machine": avx2["machine"]}
     assert compiler_caches.partition_name(other) != compiler_caches.partition_name(here)
@@ -334,7 +334,7 @@ def test_compile_caches_are_partitioned_by_cpu_isa(other_servers, tiny_compiles,
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
     os.environ.pop("TRITON_CACHE_DIR", None)
     try:
-        with compiler_caches.partitioned_caches() as inside:
+        with compiler_caches.partitioned_caches("cpu") as inside:
             assert Path(cache_dir()) == inside == tmp_path / "inductor" / compiler_caches.partition_name(here)
             assert os.environ["TRITON_CACHE_DIR"] == str(inside / "triton")
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
