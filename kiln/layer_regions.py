@@ -65,7 +65,7 @@ class DecoderLayers:
                       for i, layer in enumerate(layers)]
         self.kinds = tuple(step.kind for step in self.steps)
         self.num_kinds = len(signatures)
-        self.code: Sequence[LayerCode] = [run_eagerly] * self.num_kinds
+        self.code: Sequence[LayerCode] | None = None  # None: outside a Kiln forward, layers run as transformers wrote
         for step in self.steps:
             step.layer.forward = self._router(step)
 
@@ -73,9 +73,11 @@ class DecoderLayers:
         return [next(s for s in self.steps if s.kind == kind) for kind in range(self.num_kinds)]
 
     @contextmanager
-    def running(self, code: Sequence[LayerCode]) -> Iterator[None]:
-        """Route every layer call to ``code[kind]`` while the block runs (a forward of the model)."""
-        previous, self.code = self.code, code
+    def running(self, code: Sequence[LayerCode] | None = None) -> Iterator[None]:
+        """Route every layer call to ``code[kind]`` while the block runs (a forward of the model); without code, to
+        the code already routed to, else to each layer's own forward."""
+        previous = self.code
+        self.code = code or previous or [run_eagerly] * self.num_kinds
         try:
             yield
         finally:
@@ -83,6 +85,9 @@ class DecoderLayers:
 
     def _router(self, step: LayerStep) -> Callable[..., torch.Tensor]:
         def forward(hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
+            if self.code is None:  # transformers' own use of the module (generate with its cache, a reference run)
+                return type(step.layer).forward(step.layer, hidden_states, attention_mask=attention_mask,
+                                                position_embeddings=position_embeddings, **kwargs)
             asked = sorted(k for k, v in kwargs.items()
                            if k not in _NEUTRAL_KWARGS and v is not None and v is not False)
             if asked or attention_mask is not None or not isinstance(position_embeddings, tuple):

@@ -53,9 +53,10 @@ class TokenModel(torch.nn.Module):
         self.layers = DecoderLayers(base.layers[:causal_lm.config.num_hidden_layers])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.causal_lm.base_model(
-            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, return_dict=True
-        )
+        with self.layers.running():  # each layer eagerly, unless a compiled forward routes them already
+            out = self.causal_lm.base_model(
+                input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False,
+                return_dict=True)
         return out.last_hidden_state[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,18 @@ def hf_tiny():
     return hf_model(0)
 
 
+def test_kiln_model_stays_transformers_own_outside_a_kiln_forward(hf_tiny):
+    """Kiln routes each decoder layer to its compiled code only inside its own forward: transformers' generate on
+    the same modules (its cache, its masks) gives transformers' tokens, as the reference runs of the GPU tests and
+    the benches use it."""
+    from kiln.model import build_model
+
+    causal_lm = build_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=0).causal_lm
+    causal_lm.config._attn_implementation = "sdpa"
+    prompt = list(range(3, 40))
+    assert hf_greedy(causal_lm, prompt, 12) == hf_greedy(hf_tiny, prompt, 12)
+
+
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
