@@ -1,6 +1,7 @@
 """On a CUDA device, through the real servers: greedy output equals transformers' own generate in float32, and
-in bfloat16 each token is within rounding of transformers' float32 choice (tests/greedy_judge.py), CUDA-graph replay gives the same tokens as the compiled function, and the
-overlapped engine keeps 64 concurrent streams (cancelled, preempted, prefilled in chunks) equal to each run alone."""
+in bfloat16 each token is within rounding of transformers' float32 choice (tests/greedy_judge.py), CUDA-graph
+replay gives the same tokens as the compiled function, and the overlapped engine keeps 64 concurrent streams
+(cancelled, preempted, prefilled in chunks) equal to each run alone."""
 
 import copy
 import json
