@@ -248,7 +248,7 @@ def test_cuda_graphs_past_the_window_equal_transformers_in_float32(tmp_path_fact
     channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
     stub = exec_pb2_grpc.ExecServiceStub(channel)
     path, block_size, step_tokens = window_dirs["mistral"], 16, 64
-    prompts, max_tokens = [prompt_of(5), prompt_of(40, 1), prompt_of(150, 2)], 200
+    prompts, max_tokens = [prompt_of(5), prompt_of(40, 1), prompt_of(150, 2)], 120
     try:
         ready = list(stub.LoadModel(exec_pb2.LoadModelRequest(
             name="window-cuda", model=common_pb2.ModelSpec(hf_dir=str(path)), weights=str(path),
