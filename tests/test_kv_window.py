@@ -135,6 +135,27 @@ def test_kv_window_is_the_widest_window_when_every_layer_has_one(model_type):
     assert kv_window(windows) == (0 if 0 in expected else max(expected))
 
 
+def test_a_window_no_sequence_outgrows_frees_nothing():
+    """Mistral-7B's 4096-token window at max_model_len 4096: no block could ever be freed, so none is reserved."""
+    import json
+
+    from exec_service.engine.engine_config import EngineConfig
+    from exec_service.engine.model_runner import ModelRunner
+    from kiln.model_spec import resolve
+    from kiln.runtime_mode import RuntimeMode
+
+    resolved = resolve(common_pb2.ModelSpec(config_json=json.dumps(MISTRAL)), "cpu")
+    for max_model_len, expected in ((WINDOW + BLOCK_SIZE - 1, 0), (WINDOW + BLOCK_SIZE, WINDOW)):
+        config = EngineConfig(device="cpu", runtime_mode=RuntimeMode.EAGER, max_model_len=max_model_len,
+                              max_num_seqs=1, max_num_batched_tokens=8, block_size=BLOCK_SIZE,
+                              gpu_memory_utilization=0.9, kv_cache_bytes=0, capture_sizes=(), max_num_waiting=1)
+        runner = ModelRunner(resolved, config)
+        runner.load_weights("dummy", 0)
+        assert runner.kv_window == expected
+        runner.allocate_kv_cache(10)
+        assert runner.num_blocks == (9 if expected else 10) and runner.kv_caches[0].shape[1] == 10
+
+
 # Through the real servers.
 
 @pytest.fixture(scope="module")

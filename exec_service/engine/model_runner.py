@@ -76,7 +76,9 @@ class ModelRunner:
     def load_weights(self, weights: str, seed: int) -> int:
         self.token_model = build_model(self.resolved, self.device, weights, seed)
         self.weights_bytes = weights_bytes(self.token_model)
-        self.kv_window = kv_window(layer_windows(self.token_model, self.device))
+        window = kv_window(layer_windows(self.token_model, self.device))
+        # A window that no sequence outgrows by a whole block never lets one go: then there is no null block either.
+        self.kv_window = window if window + self.config.block_size <= self.config.max_model_len else 0
         return self.weights_bytes
 
     @property
