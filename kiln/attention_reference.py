@@ -51,7 +51,11 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Write k/v into the cache, then attend each sequence's queries over its cached context."""
+    """Write k/v into the cache, then attend each sequence's queries over its cached context.
+
+    With a window, only the blocks from the one holding the first query's earliest visible token on are read: the
+    blocks before it may have been freed (their table entries then name the null block, see BlockManager).
+    """
     write_kv(k, v, kv_cache, meta.slot_mapping)
     out = torch.zeros_like(q)
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
@@ -59,9 +63,11 @@ def paged_attention(
     seq_lens = meta.seq_lens.tolist()
     for i in range(meta.num_seqs):
         lo, hi, seq_len = starts[i], starts[i + 1], seq_lens[i]
-        num_blocks = -(-seq_len // block_size)
-        blocks = meta.block_tables[i, :num_blocks].long()
-        keys = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        values = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        out[lo:hi] = causal_attention(q[lo:hi], keys, values, scale, seq_len - (hi - lo), window, softcap)
+        first_query = seq_len - (hi - lo)
+        first_block = max(0, first_query - window + 1) // block_size if window > 0 else 0
+        key_start = first_block * block_size
+        blocks = meta.block_tables[i, first_block:-(-seq_len // block_size)].long()
+        keys = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - key_start]
+        values = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - key_start]
+        out[lo:hi] = causal_attention(q[lo:hi], keys, values, scale, first_query - key_start, window, softcap)
     return out

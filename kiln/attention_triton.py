@@ -15,8 +15,10 @@ Same semantics as ``kiln.attention_reference.paged_attention``, in three kernels
 
 A layer's sliding window (``window`` > 0) and attention-logit soft-cap (``softcap`` > 0) are kernel arguments, the
 same on every call of that layer, so a captured graph stays right: decode reads only the window's tail of the
-context, prefill skips the tiles before every row's window and masks the ones a window edge crosses. A head_dim
-that is not a power of two (Phi-3's 96) is padded to one inside the kernels, masked on load and store.
+context, prefill skips the tiles before every row's window and masks the ones a window edge crosses. No kernel
+loads a position outside every query's window: the blocks there may have been freed (BlockManager), their table
+entries naming the null block. A head_dim that is not a power of two (Phi-3's 96) is padded to one inside the
+kernels, masked on load and store.
 
 Accumulation is in fp32 (fp32 inputs use tf32 dots); the output has q's dtype. Rows of the batch that are CUDA-graph
 padding (sequence length 0) produce zeros.
@@ -110,13 +112,16 @@ def _attend_tile(
     """One online-softmax step of q's rows over context tokens n0 .. n0 + BLOCK_N, read through the block table.
 
     MASKED drops tokens at or past ``end`` and, with CAUSAL, those after each row's position ``q_pos``; with
-    WINDOWED also those ``window`` or more before it. An unmasked tile must lie wholly before ``end``, before every
-    row's position and inside every row's window. Scores are ``dot * qk_scale`` in log2 units; with SOFTCAP they
-    are ``cap_scale * tanh(dot * qk_scale)`` (the caller folds the cap and log2(e) into the two scales).
+    WINDOWED also those ``window`` or more before it, and it loads none that is outside every row's window. An
+    unmasked tile must lie wholly before ``end``, before every row's position and inside every row's window.
+    Scores are ``dot * qk_scale`` in log2 units; with SOFTCAP they are ``cap_scale * tanh(dot * qk_scale)`` (the
+    caller folds the cap and log2(e) into the two scales).
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     valid = pos < end
+    if WINDOWED:  # never load what no row's window reaches: its block may be freed (the null block in the table)
+        valid = valid & (pos > tl.min(q_pos, 0) - window)
     if MASKED:
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0)
     else:

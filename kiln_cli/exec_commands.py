@@ -247,9 +247,10 @@ def run_models(args) -> int:
     def work(stub, out: Printer):
         for m in stub.ListModels(exec_pb2.ListModelsRequest()).models:
             state = exec_pb2.ModelState.Name(m.state).removeprefix("MODEL_STATE_").lower()
+            window = f", KV window {m.sizing.kv_window}" if m.sizing.kv_window else ""
             detail = (f"{m.sizing.runtime_mode} on {m.sizing.device}, {m.num_free_blocks}/{m.sizing.num_kv_blocks} "
-                      f"blocks free, {m.num_running} running, {m.num_waiting} waiting") if m.HasField("sizing") \
-                else m.error
+                      f"blocks free (peak {m.peak_used_blocks} held{window}), {m.num_running} running, "
+                      f"{m.num_waiting} waiting") if m.HasField("sizing") else m.error
             out.message(m, f"{m.name:<20} {state:<8} {detail}")
 
     return _call(args, work)

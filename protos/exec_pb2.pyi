@@ -86,7 +86,7 @@ class StartupPhase(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ..., progress: _Optional[bool] = ...) -> None: ...
 
 class ModelSizing(_message.Message):
-    __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size")
+    __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size", "kv_window")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class ModelSizing(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
     key: _common_pb2.ArtifactKey
     num_kv_blocks: int
     block_size: int
@@ -119,7 +120,8 @@ class ModelSizing(_message.Message):
     device: str
     timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.PhaseTiming]
     vocab_size: int
-    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., cudagraph_bytes: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[str] = ..., device: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    kv_window: int
+    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., cudagraph_bytes: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[str] = ..., device: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., kv_window: _Optional[int] = ...) -> None: ...
 
 class LoadModelEvent(_message.Message):
     __slots__ = ("phase", "ready")
@@ -144,7 +146,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "sizing", "error", "num_waiting", "num_running", "num_free_blocks")
+    __slots__ = ("name", "state", "sizing", "error", "num_waiting", "num_running", "num_free_blocks", "peak_used_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +154,7 @@ class ModelInfo(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     sizing: ModelSizing
@@ -159,7 +162,8 @@ class ModelInfo(_message.Message):
     num_waiting: int
     num_running: int
     num_free_blocks: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., sizing: _Optional[_Union[ModelSizing, _Mapping]] = ..., error: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    peak_used_blocks: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., sizing: _Optional[_Union[ModelSizing, _Mapping]] = ..., error: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -94,8 +94,9 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check(case: Case) -> None:
-    """Run kernels and reference on copies of one cache; outputs must agree and the caches must be equal."""
+def check(case: Case) -> torch.Tensor:
+    """Run kernels and reference on copies of one cache; outputs must agree and the caches must be equal. Returns
+    the kernels' output."""
     from kiln import attention_triton
 
     if DEVICE == "cpu" and case.q.dtype == torch.bfloat16:
@@ -105,10 +106,37 @@ def check(case: Case) -> None:
     out = attention_triton.paged_attention(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale, **case.layer)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert torch.isfinite(out).all()
-    assert torch.equal(case.kv_cache, ref_cache)
+    torch.testing.assert_close(case.kv_cache, ref_cache, rtol=0, atol=0, equal_nan=True)  # NaN: a null block
     padding = case.meta.query_start_loc[case.meta.num_seqs].item()
     assert not out[padding:].any()
     assert relative_error(out, ref) < TOLERANCE[case.q.dtype]
+    return out
+
+
+def free_outside_windows(case: Case) -> None:
+    """Leave the case's block tables as BlockManager leaves a windowed sequence's: each block wholly before the
+    window of the sequence's first query of the step is given back, its entry naming the null block, here a block
+    of NaN appended to the cache, so a kernel that read it would output NaN."""
+    window, block_size = case.layer["window"], case.kv_cache.shape[2]
+    null = case.kv_cache.shape[1]
+    nan_block = torch.full_like(case.kv_cache[:, :1], float("nan"))
+    case.kv_cache = torch.cat([case.kv_cache, nan_block], dim=1)
+    meta = case.meta
+    query_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+    for i, (seq_len, query_len) in enumerate(zip(meta.seq_lens.tolist()[:meta.num_seqs], query_lens, strict=False)):
+        first_read = seq_len - query_len - window + 1
+        meta.block_tables[i, :max(0, first_read // block_size)] = null
+
+
+def check_freed_outside_windows(case: Case) -> None:
+    """The same step before and after the blocks outside its windows are freed: the kernels give the same output."""
+    ref_cache = case.kv_cache.clone()
+    expected = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale,
+                                                   **case.layer)
+    free_outside_windows(case)
+    assert (case.meta.block_tables == case.kv_cache.shape[1] - 1).any(), "the case frees no block"
+    out = check(case)
+    assert relative_error(out, expected) < TOLERANCE[case.q.dtype]
 
 
 # (batch, num_heads, num_kv_heads, head_dim, block_size, dtype): GQA groups 1/4/8, head_dim 64/128, block 16/32.
@@ -304,3 +332,20 @@ def test_decode_sliding_window_and_softcap(shape, window):
     softcap = 50.0 if head_dim == 256 else 0.0
     check(make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, padding_rows=2,
                     window=window, softcap=softcap))
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33])
+@pytest.mark.parametrize("step", ["small_decode", "small_mixed"])  # a fresh prefill has nothing to free
+def test_small_steps_sliding_window_never_read_freed_blocks(step, window):
+    seq_lens, query_lens = SMALL_STEPS[step]
+    check_freed_outside_windows(make_case(seq_lens, query_lens, 8, 2, 64, 16, torch.float32, padding_rows=1,
+                                          window=window))
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128, 16, torch.bfloat16), (16, 8, 96, 32, torch.float16)], ids=str)
+@pytest.mark.parametrize("window", [100, 300])
+@pytest.mark.parametrize("step", [step for step in PREFILL_STEPS if step != "prefill"])
+def test_sliding_window_never_reads_freed_blocks(shape, step, window):
+    """Steps of GPU size (prefill tiles a window edge crosses, decodes, cached prefixes) over freed blocks."""
+    seq_lens, query_lens = PREFILL_STEPS[step]
+    check_freed_outside_windows(make_case(seq_lens, query_lens, *shape, window=window))

@@ -47,4 +47,5 @@ class ServedModel:
             info.num_waiting = engine.num_waiting
             info.num_running = engine.num_running
             info.num_free_blocks = engine.num_free_blocks
+            info.peak_used_blocks = engine.peak_used_blocks
         return info

@@ -35,7 +35,7 @@ class Engine:
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.step_observers: list[StepObserver] = step_observers if step_observers is not None else []
-        self.block_manager = BlockManager(runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, runner.kv_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._seeds = random.Random()  # noise seeds for requests that bring none
         self._streams: dict[str, RequestStream] = {}
@@ -63,11 +63,13 @@ class Engine:
 
     def add_request(self, seq: Sequence) -> RequestStream:
         """Queue a request for the next step; RESOURCE_EXHAUSTED when it can never fit or the queue is full."""
-        needed = self.block_manager.blocks_for(seq.max_kv_tokens)
-        if needed > self.block_manager.num_blocks:
+        blocks = self.block_manager
+        needed = blocks.max_blocks_held(seq.max_kv_tokens, self.config.max_num_batched_tokens)
+        if needed > blocks.num_blocks:
+            at_once = f" at once (a KV window of {blocks.window} tokens)" if blocks.window else ""
             raise ResourceExhausted(
-                f"prompt_ids + max_tokens: {seq.max_kv_tokens} tokens need {needed} KV blocks, the cache of "
-                f"{self.name!r} has {self.block_manager.num_blocks}")
+                f"prompt_ids + max_tokens: {seq.max_kv_tokens} tokens need {needed} KV blocks{at_once}, the cache of "
+                f"{self.name!r} has {blocks.num_blocks}")
         if seq.params.seed is None:
             seq.noise_seed = self._seeds.getrandbits(63)
         stream = RequestStream(asyncio.get_running_loop())
@@ -98,6 +100,10 @@ class Engine:
     @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
+
+    @property
+    def peak_used_blocks(self) -> int:
+        return self.block_manager.peak_used_blocks
 
     # The engine thread.
 

@@ -21,6 +21,7 @@ from exec_service.engine.scheduler import ScheduledBatch
 from exec_service.engine.sequence import Sequence
 from exec_service.engine.step_inputs import StepBuffers
 from kiln import bundle
+from kiln.attention_windows import kv_window, layer_windows
 from kiln.counters import expect_no_compile
 from kiln.errors import FailedPrecondition, first_line
 from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -63,8 +64,9 @@ class ModelRunner:
         self.device = config.device
         self.token_model: TokenModel | None = None
         self.weights_bytes = 0
+        self.kv_window = 0  # kiln.attention_windows.kv_window of the model, known once its weights are loaded
         self.kv_caches: list[torch.Tensor] = []
-        self.num_blocks = 0
+        self.num_blocks = 0  # blocks sequences may hold (with a KV window, the cache has one more: the null block)
         self.compiled = None
         self.cudagraphs: CUDAGraphs | None = None
         self.buffers: StepBuffers | None = None
@@ -74,6 +76,9 @@ class ModelRunner:
     def load_weights(self, weights: str, seed: int) -> int:
         self.token_model = build_model(self.resolved, self.device, weights, seed)
         self.weights_bytes = weights_bytes(self.token_model)
+        window = kv_window(layer_windows(self.token_model, self.device))
+        # A window that no sequence outgrows by a whole block never lets one go: then there is no null block either.
+        self.kv_window = window if window + self.config.block_size <= self.config.max_model_len else 0
         return self.weights_bytes
 
     @property
@@ -81,12 +86,18 @@ class ModelRunner:
         return kv_cache.KVCacheSpec.from_config(self.resolved.config, self.config.block_size, self.resolved.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
+        """A cache of ``num_blocks`` blocks; with a KV window its last one is the null block (BlockManager)."""
+        self.num_blocks = num_blocks - 1 if self.kv_window else num_blocks
         self.kv_caches = kv_cache.allocate(self.kv_cache_spec, num_blocks, self.device)
         self.buffers = StepBuffers(self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.max_blocks_per_seq, self.config.block_size,
                                    self.resolved.config.vocab_size, self.device)
-        log.info("# %s blocks: %d", "GPU" if self.device == "cuda" else "CPU", num_blocks)
+        window = f", KV window {self.kv_window} tokens (+1 null block)" if self.kv_window else ""
+        log.info("# %s blocks: %d%s", "GPU" if self.device == "cuda" else "CPU", self.num_blocks, window)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
 
     @torch.no_grad()
     def load_compiled(self, bundle_dir: Path, key: str, trusted: TrustedKeys) -> None:

@@ -4,6 +4,7 @@ sequences, under two budgets (tokens per step, sequences at once).
 A step mixes decodes (one token) with prefill chunks (up to the token budget), and decodes come first, so a long
 prompt never stalls the sequences already generating. When the KV cache runs out, the newest running sequence not
 yet in the step is preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue.
+With a KV window, each step first gives back the blocks that have fallen out of every running sequence's window.
 
 The engine schedules step N+1 before it has read step N's tokens (they are still on the device): a sequence that
 sampled in step N decodes that token in step N+1 (``Sequence.num_pending``), one whose last token is in flight is
@@ -78,6 +79,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """The next step's sequences and token counts; empty when nothing can run (e.g. right after preemption)."""
+        for seq in self.running:  # first, so what a window lets go serves this step before anything is preempted
+            self.block_manager.free_outside_window(seq)
         budget = self.max_num_batched_tokens
         entries: list[ScheduledSequence] = []
         scheduled: set[Sequence] = set()

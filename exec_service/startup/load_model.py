@@ -82,6 +82,7 @@ class ModelSizing:
     device: str
     timings: tuple[tuple[str, float], ...]  # every phase with its seconds
     vocab_size: int
+    kv_window: int  # tokens of KV a sequence keeps (every layer windowed), 0: all of them
 
 
 @dataclass
@@ -165,8 +166,10 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
             kv_spec = runner.kv_cache_spec
             runner.allocate_kv_cache(kv_sizing.num_blocks(budget, kv_spec, config.max_model_len))
             event.detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {runner.num_blocks}"
+            if runner.kv_window:
+                event.detail += f" (KV window {runner.kv_window} tokens: older blocks are freed as sequences run)"
             span.set_attributes({spans.ACTIVATION_PEAK_BYTES: activation_peak, spans.NUM_KV_BLOCKS: runner.num_blocks,
-                                 spans.KV_CACHE_BYTES: runner.num_blocks * kv_spec.block_bytes})
+                                 spans.KV_CACHE_BYTES: runner.kv_cache_bytes})
 
         with phases.phase(spans.LOAD_COMPILED) as (event, span):
             if fetched is None:
@@ -200,11 +203,11 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
     sizing = ModelSizing(
         key=fetched.key if fetched else "", num_kv_blocks=runner.num_blocks,
         block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=runner.num_blocks * kv_spec.block_bytes,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=runner.kv_cache_bytes,
         weights_bytes=runner.weights_bytes, activation_peak_bytes=activation_peak, cudagraph_bytes=cudagraph_bytes,
         total_memory_bytes=budget.total_bytes, capture_sizes=config.capture_sizes,
         runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
-        vocab_size=target.resolved.config.vocab_size)
+        vocab_size=target.resolved.config.vocab_size, kv_window=runner.kv_window)
     return StartedModel(engine, sizing, tokenizer)
 
 
