@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,10 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     Spans, forward spans and metrics follow what init_tracing installed in this process (nothing when it did not
     run); ``step_observers`` hear every engine step besides the service's own (tests record them).
     """
+    started = time.perf_counter()
     await asyncio.to_thread(bundle.preload_runtime)
+    log.info("loaded the compiled-code runtime (Dynamo's loader, Inductor, Triton) in %.2f s",
+             time.perf_counter() - started)
     shared = settings.store is not None
     # The fetcher verifies each bundle's signature and sha256s itself: the store only finds them (Redis checks the
     # sha256s of what it streams into its local copies). A replica only reads a shared store.

@@ -74,16 +74,18 @@ class LoadModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., weights: _Optional[str] = ..., weights_seed: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[_Union[RuntimeMode, str]] = ..., max_num_waiting: _Optional[int] = ...) -> None: ...
 
 class StartupPhase(_message.Message):
-    __slots__ = ("phase", "seconds", "detail", "progress")
+    __slots__ = ("phase", "seconds", "detail", "progress", "step")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     phase: str
     seconds: float
     detail: str
     progress: bool
-    def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ..., progress: _Optional[bool] = ...) -> None: ...
+    step: str
+    def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ..., progress: _Optional[bool] = ..., step: _Optional[str] = ...) -> None: ...
 
 class ModelSizing(_message.Message):
     __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size", "kv_window")

@@ -30,9 +30,15 @@ def hf_model(seed: int = 0):
     """transformers' own model with the weights build_model gives for ``seed``, on its SDPA attention."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    config = resolve(TINY_MODEL, "cpu").config
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    from kiln.model import build_model
+
+    weights = build_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=seed).causal_lm.state_dict()
+    # A config of its own: build_model sets Kiln's attention on the config it was given.
+    model = AutoModelForCausalLM.from_config(resolve(TINY_MODEL, "cpu").config, dtype=torch.float32,
+                                             attn_implementation="sdpa")
+    model.load_state_dict(weights)
+    assert model.config._attn_implementation == "sdpa"
+    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +180,7 @@ def test_weights_from_a_local_hf_directory(exec_stub, weights_dir):
 def test_second_load_uses_the_local_cache_and_nothing_compiles_after_fetch(exec_stub, tiny_loaded, hf_tiny):
     before = compile_counts()
     events = load_model(exec_stub, "tiny-counted")
-    fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch")
+    fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch" and not e.phase.progress)
     assert fetch.detail.startswith("local cache"), "a second load must not download again"
     prompts = [prompt_of(n, salt) for salt, n in enumerate([2, 30, 130])]
     for prompt, (tokens, _) in zip(prompts, greedy_concurrently(exec_stub, "tiny-counted", prompts, 8), strict=True):
@@ -448,7 +454,8 @@ def test_shared_store_is_read_in_place(compile_store, tiny_key, tiny_loaded, tmp
         with grpc.insecure_channel(server.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             events = load_model(stub, "tiny-shared")
-            fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch")
+            fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch"
+                         and not e.phase.progress)
             assert fetch.detail == f"shared store {compile_store}, key {tiny_key}"
             assert len(generate(stub, "tiny-shared", [1, 2, 3], max_tokens=2)[0]) == 2
             with pytest.raises(grpc.RpcError) as exc:  # not in the store, and nowhere to compile it

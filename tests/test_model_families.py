@@ -204,3 +204,43 @@ def test_dynamo_traces_one_graph_with_each_layers_window(model_type):
     op = torch.ops.kiln.attention
     calls = [n for n in graphs[0].graph.nodes if n.target in (op, op.default)]
     assert [(n.args[5], n.args[6]) for n in calls] == _expected_layers(module.config)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_dummy_weights_are_transformers_initialisation(model_type):
+    """build_model's dummy weights, made on the meta device and initialised once by transformers' ``_init_weights``,
+    against ``from_config``'s (built on the device, initialised twice): the same tensors, the same ties, every buffer
+    (rotary frequencies, embedding scales) and every constant parameter (norms, biases) equal, every random one drawn
+    from the same distribution; and reproducible from its seed."""
+    from kiln.model import build_model
+    from kiln.model_spec import resolve
+
+    raw = dict(TINY, **FAMILY_CONFIGS[model_type])
+    resolved = resolve(common_pb2.ModelSpec(config_json=json.dumps(raw)), "cpu")
+    ours = build_model(resolved, "cpu", seed=3).causal_lm
+    theirs = tiny_model(model_type, seed=3)
+    assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers()])
+
+    def ties(model) -> set[frozenset[str]]:
+        shared: dict[int, set[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            shared.setdefault(param.data_ptr(), set()).add(name)
+        return {frozenset(names) for names in shared.values() if len(names) > 1}
+
+    assert ties(ours) == ties(theirs)
+    for (name, buffer), (_, expected) in zip(ours.named_buffers(), theirs.named_buffers(), strict=True):
+        torch.testing.assert_close(buffer, expected, rtol=0, atol=0, msg=name)
+    expected_params = dict(theirs.named_parameters())
+    assert [n for n, _ in ours.named_parameters()] == list(expected_params)
+    for name, param in ours.named_parameters():
+        expected = expected_params[name]
+        assert param.shape == expected.shape and param.dtype == expected.dtype, name
+        if expected.numel() == 1 or bool((expected == expected.flatten()[0]).all()):
+            torch.testing.assert_close(param, expected, rtol=0, atol=0, msg=name)
+        else:
+            assert param.std().item() == pytest.approx(expected.std().item(), rel=0.25), name
+            assert abs(param.mean().item()) < 3 * expected.std().item() / param.numel() ** 0.5 + 1e-6, name
+    again = build_model(resolved, "cpu", seed=3).causal_lm.state_dict()
+    other = build_model(resolved, "cpu", seed=4).causal_lm.state_dict()
+    assert all(torch.equal(t, again[n]) for n, t in ours.state_dict().items())
+    assert not all(torch.equal(t, other[n]) for n, t in ours.state_dict().items())

@@ -115,7 +115,7 @@ def test_one_trace_from_the_client_through_exec_to_compile(traced_run, otlp_rece
 def test_compile_service_spans_are_under_the_exec_fetch_span(traced_run):
     trace = traced_run["trace"]
     fetch = one(trace, spans.FETCH)
-    calls = children(trace, fetch)
+    calls = [s for s in children(trace, fetch) if s.kind == "CLIENT"]
     assert [(s.name, s.kind) for s in calls] == [("/kiln.v1.CompileService/Compile", "CLIENT"),
                                                   ("/kiln.v1.CompileService/GetArtifact", "CLIENT")]
     assert all(s.resource["service.name"] == "kiln-exec" for s in calls)
@@ -158,6 +158,25 @@ def test_startup_phase_spans_carry_what_startup_measured(traced_run):
                 if e.HasField("phase") and not e.phase.progress}
     for s in phases:
         assert (s.end_ns - s.start_ns) / 1e9 == pytest.approx(reported[s.name], abs=0.05)
+
+
+def test_startup_steps_are_child_spans_of_their_phase_as_the_stream_reported(traced_run):
+    """Each step inside a phase (the key, verify, unpickle, warm-up, ...) is a child span of that phase, in order and
+    within it, and lasts what its progress event in the LoadModel stream said."""
+    trace = traced_run["trace"]
+    phases = {s.name: s for s in children(trace, one(trace, spans.LOAD_MODEL))}
+    reported = [(e.phase.phase, e.phase.step, e.phase.seconds) for e in traced_run["events"]
+                if e.HasField("phase") and e.phase.step]
+    assert [(phase, step) for phase, step, _ in reported] == [
+        (spans.FETCH, spans.BUNDLE_KEY), (spans.FETCH, spans.VERIFY), (spans.FETCH, spans.CHECK_FACTORS),
+        (spans.LOAD_WEIGHTS, spans.BUILD_MODEL), (spans.PROFILE_MEMORY, spans.PROFILE_FORWARD),
+        (spans.PROFILE_MEMORY, spans.KV_CACHE), (spans.LOAD_COMPILED, spans.UNPICKLE),
+        (spans.LOAD_COMPILED, spans.WARM_UP), (spans.LOAD_COMPILED, spans.WARM_UP_ATTENTION)]
+    for phase, step, seconds in reported:
+        parent = phases[phase]
+        (span,) = [s for s in children(trace, parent) if s.name == step]
+        assert parent.start_ns <= span.start_ns <= span.end_ns <= parent.end_ns
+        assert (span.end_ns - span.start_ns) / 1e9 == pytest.approx(seconds, abs=0.05)
 
 
 def test_a_request_span_per_generate_with_the_genai_attributes(traced_run):

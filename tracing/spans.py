@@ -23,6 +23,17 @@ LOAD_WEIGHTS = "load_weights"
 PROFILE_MEMORY = "profile_memory"
 LOAD_COMPILED = "load_compiled"
 CAPTURE_CUDAGRAPHS = "capture_cudagraphs"
+# Steps inside those phases, each a child span of its phase.
+BUNDLE_KEY = "bundle_key"  # fetch: the key of the request's model and config (when it names none)
+VERIFY = "verify"  # fetch: the manifest's signature and every file's sha256
+CHECK_FACTORS = "check_factors"  # fetch: the bundle's key factors against this process and the request
+BUILD_MODEL = "build_model"  # load_weights: the module and its weights on the device
+TOKENIZER = "tokenizer"  # load_weights: the model directory's tokenizer, where it has one
+PROFILE_FORWARD = "profile_forward"  # profile_memory: the eager forward whose peak is measured
+KV_CACHE = "kv_cache"  # profile_memory: sizing and allocating the KV cache
+UNPICKLE = "unpickle"  # load_compiled: the compiled function out of the bundle
+WARM_UP = "warm_up"  # load_compiled: the compiled function's first calls, smallest and largest step
+WARM_UP_ATTENTION = "warm_up_attention"  # load_compiled: a prefill and a decode through the paged KV cache
 # Serving.
 FORWARD = "forward"
 FORWARD_STATS = "forward_stats"

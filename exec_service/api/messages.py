@@ -12,7 +12,7 @@ FINISH_REASONS = {None: exec_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: e
 
 def startup_phase_message(phase: StartupPhase) -> exec_pb2.StartupPhase:
     return exec_pb2.StartupPhase(phase=phase.phase, seconds=phase.seconds, detail=phase.detail,
-                                 progress=phase.progress)
+                                 progress=phase.progress, step=phase.step)
 
 
 def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:

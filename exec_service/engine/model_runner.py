@@ -99,25 +99,27 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
 
-    @torch.no_grad()
     def load_compiled(self, bundle_dir: Path, key: str, trusted: TrustedKeys) -> None:
-        """Load the bundle's function (once its signature verifies) and warm it up at both ends of the token range,
-        compiling nothing."""
+        """Load the bundle's function once its signature verifies, compiling nothing."""
         with expect_no_compile("loading the compiled function"):
             try:
                 self.compiled = bundle.load_compiled(bundle_dir, key, trusted)
             except (RuntimeError, AssertionError) as exc:
                 raise FailedPrecondition(f"bundle {bundle_dir.name[:12]}: torch refused to load it: "
                                          f"{first_line(exc)}") from exc
-            # The first call at a token count does one-off work (kernel loads, launch setup): pay it here for the
-            # smallest and the largest step, not in a request's step (BENCHMARKS.md, startup and throughput).
+
+    @torch.no_grad()
+    def warm_up_compiled(self) -> None:
+        """The first call at a token count does one-off work (kernel loads, launch setup): pay it here for the
+        smallest and the largest step, not in a request's step (BENCHMARKS.md, startup and throughput)."""
+        with expect_no_compile("warming up the compiled function"):
             for tokens in sorted({min(2, self.config.max_num_batched_tokens), self.config.max_num_batched_tokens}):
                 self.compiled(self.token_model, torch.zeros(tokens, dtype=torch.int64, device=self.device),
                               torch.arange(tokens, device=self.device))
             self.compiled.skip_guard_checks()  # every layer's weights passed torch's guards just now
-            self._warm_up_paged_attention()
 
-    def _warm_up_paged_attention(self) -> None:
+    @torch.no_grad()
+    def warm_up_paged_attention(self) -> None:
         """A two-token prefill, then one decode step, of one sequence through the paged KV cache: the attention
         kernels are built here (Triton's JIT), not in a request's first step. The sequence sits
         in the first blocks, which hold nothing yet; every real token's KV is written before it is read."""

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +36,17 @@ from kiln.model_factors import model_config_factors
 from kiln.model_spec import ResolvedModel
 from kiln.signing import TrustedKeys
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
+from tracing import spans
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str], None]
+# Times one named step of the fetch (a span and a progress event in LoadModel's startup phases).
+StepFn = Callable[[str], AbstractContextManager[None]]
+
+
+def _untimed(step: str) -> AbstractContextManager[None]:
+    return nullcontext()
 
 # How long a LoadModel without a deadline waits for an unreachable compile service before it gives up.
 DEFAULT_WAIT_S = 60.0
@@ -99,28 +107,34 @@ class BundleFetcher:
         self.compile_stub = compile_pb2_grpc.CompileServiceStub(compile_channel) if compile_channel else None
 
     def fetch(self, spec: common_pb2.ModelSpec, resolved: ResolvedModel, config: CompileConfig, key: str | None,
-              progress: ProgressFn = lambda detail: None, deadline: float | None = None) -> FetchedBundle:
+              progress: ProgressFn = lambda detail: None, deadline: float | None = None,
+              step: StepFn = _untimed) -> FetchedBundle:
         """The bundle for ``key``, or for the model of ``spec`` under ``config``, compiled on the compile service
-        on a miss. ``deadline`` (time.monotonic()) bounds every call to the compile service."""
+        on a miss. ``deadline`` (time.monotonic()) bounds every call to the compile service; ``step`` times the
+        key, the verification and the factor check."""
         if key is not None:
             check_key(key)
         calls = _Calls(deadline)
         try:
-            fetched = self._fetch(spec, resolved, config, key, progress, calls)
+            fetched = self._fetch(spec, resolved, config, key, progress, calls, step)
         except CorruptBundle as exc:
             if key is not None or self.compile_stub is None:
                 raise
             # The compile service checks its own copy as it answers, and rebuilds one that fails.
             log.warning("%s; compiling it again", exc)
             progress(f"the bundle failed its check ({exc}); compiling again")
-            fetched = self._fetch(spec, resolved, config, key, progress, calls, cached=False)
-        check_factors(fetched, resolved, config, by_key=key is not None)
+            fetched = self._fetch(spec, resolved, config, key, progress, calls, step, cached=False)
+        with step(spans.CHECK_FACTORS):
+            check_factors(fetched, resolved, config, by_key=key is not None)
         return fetched
 
     def _fetch(self, spec: common_pb2.ModelSpec, resolved: ResolvedModel, config: CompileConfig, key: str | None,
-               progress: ProgressFn, calls: "_Calls", cached: bool = True) -> FetchedBundle:
+               progress: ProgressFn, calls: "_Calls", step: StepFn, cached: bool = True) -> FetchedBundle:
         # What this process would compile: when the store has it, no call to the compile service is needed.
-        digest = key or cache_key.digest(cache_key.key_factors(resolved, config))
+        digest = key
+        if digest is None:
+            with step(spans.BUNDLE_KEY):
+                digest = cache_key.digest(cache_key.key_factors(resolved, config))
         path = None
         if cached:
             with self.store.lock(digest):
@@ -133,7 +147,8 @@ class BundleFetcher:
             if key is None:
                 digest = self._compile(_wire_spec(spec, resolved), config, progress, calls)
             path, source = self._get_or_download(digest, progress, calls)
-        self._verify_signature(digest, path)
+        with step(spans.VERIFY):
+            self._verify_signature(digest, path)
         return FetchedBundle(digest, path, self._read_factors(path), source)
 
     @property

@@ -19,7 +19,7 @@ from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine, StepObserver
 from exec_service.engine.model_runner import ModelRunner
 from exec_service.startup import kv_sizing
-from exec_service.startup.fetch import BundleFetcher, FetchedBundle
+from exec_service.startup.fetch import BundleFetcher, FetchedBundle, StepFn
 from exec_service.startup.memory_profile import profile_memory
 from kiln.compile_config import CompileConfig
 from kiln.errors import InvalidArgument, KilnError, quote, resource_error
@@ -54,9 +54,10 @@ class StartupPhase:
     """One phase as it ends, or progress inside it: a LoadModel stream event (api/messages.py makes the message)."""
 
     phase: str  # fetch, load_weights, profile_memory, load_compiled, capture_cudagraphs, ready
-    seconds: float = 0.0  # 0 on progress
+    seconds: float = 0.0  # on progress, the step's (0 when it names none)
     detail: str = ""  # a line for a person, e.g. "# GPU blocks: 27846"
     progress: bool = False
+    step: str = ""  # on progress: the step of the phase that just ended (verify, unpickle, warm_up, ...)
 
 
 EmitFn = Callable[[StartupPhase], None]
@@ -93,23 +94,38 @@ class StartedModel:
 
 
 class _Phases:
-    """Times each phase, logs it, emits it (and progress inside it) to the LoadModel stream, and traces it."""
+    """Times each phase and the steps inside it, logs them, emits them (and progress inside a phase) to the
+    LoadModel stream, and traces them: a span per phase, a child span per step."""
 
     def __init__(self, name: str, emit: EmitFn):
         self.name = name
         self.emit = emit
         self.timings: list[tuple[str, float]] = []
+        self._phase = ""
+        self._steps: list[str] = []
 
     @contextmanager
     def phase(self, phase: str) -> Iterator[tuple[StartupPhase, trace.Span]]:
         event = StartupPhase(phase)
+        self._phase, self._steps = phase, []
         start = time.perf_counter()
         with spans.tracer.start_as_current_span(phase) as span:
             yield event, span  # the phase fills in its detail and its span's attributes
         event.seconds = time.perf_counter() - start
-        log.info("%s: %s took %.2f s%s", self.name, phase, event.seconds, f" ({event.detail})" if event.detail else "")
+        detail = "; ".join(filter(None, [event.detail, ", ".join(self._steps)]))
+        log.info("%s: %s took %.2f s%s", self.name, phase, event.seconds, f" ({detail})" if detail else "")
         self.timings.append((phase, event.seconds))
         self.emit(event)
+
+    @contextmanager
+    def step(self, step: str) -> Iterator[None]:
+        """One step of the current phase: a child span, and a progress event with its seconds once it ends."""
+        start = time.perf_counter()
+        with spans.tracer.start_as_current_span(step):
+            yield
+        seconds = time.perf_counter() - start
+        self._steps.append(f"{step} {seconds:.2f} s")
+        self.emit(StartupPhase(self._phase, seconds, f"{step} took {seconds:.2f} s", progress=True, step=step))
 
     def progress(self, phase: str, detail: str) -> None:
         self.emit(StartupPhase(phase, detail=detail, progress=True))
@@ -142,7 +158,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
             event.detail = "eager: nothing to fetch"
         else:
             fetched = fetcher.fetch(target.spec, target.resolved, target.compile_config, target.key,
-                                    lambda detail: phases.progress("fetch", detail), deadline)
+                                    lambda detail: phases.progress("fetch", detail), deadline, phases.step)
             event.detail = f"{fetched.source}, key {fetched.key}"
             span.set_attributes({spans.CACHE_KEY: fetched.key, spans.SOURCE: fetched.source})
     compiled_range = fetched.max_num_batched_tokens if fetched else target.compile_config.max_num_batched_tokens
@@ -155,16 +171,19 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
     # Fetches (a compile on the compile service, a download) still overlap.
     with _DEVICE_PHASES:
         with phases.phase(spans.LOAD_WEIGHTS) as (event, span):
-            runner.load_weights(target.weights, target.weights_seed)
-            tokenizer = _load_tokenizer(target)
+            with phases.step(spans.BUILD_MODEL):
+                runner.load_weights(target.weights, target.weights_seed)
+            tokenizer = _load_tokenizer(target, phases.step)
             event.detail = f"{runner.weights_bytes / 1e6:.1f} MB from {target.weights}"
             span.set_attributes({spans.BYTES: runner.weights_bytes, spans.WEIGHTS: target.weights})
 
         with phases.phase(spans.PROFILE_MEMORY) as (event, span):
-            activation_peak = profile_memory(runner.token_model, config)
-            budget = kv_sizing.memory_budget(config, runner.weights_bytes, activation_peak)
-            kv_spec = runner.kv_cache_spec
-            runner.allocate_kv_cache(kv_sizing.num_blocks(budget, kv_spec, config.max_model_len))
+            with phases.step(spans.PROFILE_FORWARD):
+                activation_peak = profile_memory(runner.token_model, config)
+            with phases.step(spans.KV_CACHE):
+                budget = kv_sizing.memory_budget(config, runner.weights_bytes, activation_peak)
+                kv_spec = runner.kv_cache_spec
+                runner.allocate_kv_cache(kv_sizing.num_blocks(budget, kv_spec, config.max_model_len))
             event.detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {runner.num_blocks}"
             if runner.kv_window:
                 event.detail += f" (KV window {runner.kv_window} tokens: older blocks are freed as sequences run)"
@@ -175,7 +194,12 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
             if fetched is None:
                 event.detail = "eager: the uncompiled model serves"
             else:
-                runner.load_compiled(fetched.path, fetched.key, fetcher.trusted)
+                with phases.step(spans.UNPICKLE):
+                    runner.load_compiled(fetched.path, fetched.key, fetcher.trusted)
+                with phases.step(spans.WARM_UP):
+                    runner.warm_up_compiled()
+                with phases.step(spans.WARM_UP_ATTENTION):
+                    runner.warm_up_paged_attention()
                 event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
                 span.set_attribute(spans.CACHE_KEY, fetched.key)
 
@@ -211,7 +235,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
     return StartedModel(engine, sizing, tokenizer)
 
 
-def _load_tokenizer(target: LoadTarget):
+def _load_tokenizer(target: LoadTarget, step: StepFn):
     """The tokenizer of the model directory (or the weights directory), or None: then prompts are token ids."""
     candidates = [target.resolved.hf_dir, None if target.weights == "dummy" else Path(target.weights)]
     for directory in filter(None, candidates):
@@ -219,7 +243,8 @@ def _load_tokenizer(target: LoadTarget):
             from transformers import AutoTokenizer
 
             try:
-                tokenizer = AutoTokenizer.from_pretrained(directory)
+                with step(spans.TOKENIZER):
+                    tokenizer = AutoTokenizer.from_pretrained(directory)
             except (OSError, ValueError) as exc:
                 raise InvalidArgument(f"weights: cannot load the tokenizer in {quote(str(directory))}: "
                                       f"{quote(str(exc))}") from None
