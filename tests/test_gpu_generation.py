@@ -3,7 +3,6 @@ in bfloat16 each token is within rounding of transformers' float32 choice (tests
 replay gives the same tokens as the compiled function, and the overlapped engine keeps 64 concurrent streams
 (cancelled, preempted, prefilled in chunks) equal to each run alone."""
 
-import copy
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -101,8 +100,10 @@ def test_bfloat16_with_cuda_graphs_follows_transformers_float32(gpu_servers):
     (tests/greedy_judge.py)."""
     kiln = _kiln_tokens(gpu_servers, "small-bfloat16", "bfloat16", exec_pb2.RUNTIME_MODE_CUDAGRAPH)
     rounding = build_model(resolve(_spec("bfloat16"), "cuda"), "cuda", seed=SEED).causal_lm
-    rounding.config._attn_implementation = "sdpa"
-    reference = copy.deepcopy(rounding).float()
+    reference = build_model(resolve(_spec("float32"), "cuda"), "cuda", seed=SEED).causal_lm
+    reference.load_state_dict(rounding.state_dict())  # the served bf16 weights, in float32
+    for model in (rounding, reference):
+        model.config._attn_implementation = "sdpa"
     for prompt, got in zip(PROMPTS, kiln, strict=True):
         assert len(got) == MAX_TOKENS
         assert_each_token_near_the_best(reference, prompt, got, 16, rounding)

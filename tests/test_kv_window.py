@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 from conftest import BackgroundServer
+from greedy_judge import assert_each_token_near_the_best
 from test_engine import StreamCase, run_stream
 from test_exec_service import generate, hf_greedy, model_info, prompt_of, wait_until
 from test_model_families import FAMILY_CONFIGS, TINY, _expected_layers, reference_model
@@ -257,7 +258,8 @@ def test_a_model_with_a_global_layer_frees_nothing(exec_stub, window_dirs):
 def test_cuda_graphs_past_the_window_equal_transformers_in_float32(tmp_path_factory, window_dirs, signer,
                                                                    trusted_keys):
     """The long generation on CUDA: compiled, decode steps replayed from CUDA graphs (padded rows included), the
-    Triton kernels over tables with freed blocks; float32 greedy equal to transformers', blocks held bounded."""
+    Triton kernels over tables with freed blocks; each float32 token transformers' choice up to rounding
+    (tests/greedy_judge.py), blocks held bounded."""
     from compile_service.server import start_compile_server
     from exec_service.server import ExecServerSettings, start_exec_server
 
@@ -281,11 +283,8 @@ def test_cuda_graphs_past_the_window_equal_transformers_in_float32(tmp_path_fact
             results = list(pool.map(lambda p: generate(stub, "window-cuda", p, max_tokens=max_tokens,
                                                        temperature=0.0, ignore_eos=True)[0], prompts))
         reference = reference_model(path).cuda()
-        for prompt, tokens in zip(prompts, results, strict=True):
-            with torch.no_grad():
-                expected = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_tokens,
-                                              do_sample=False, eos_token_id=None, pad_token_id=0)
-            assert tokens == expected[0, len(prompt):].tolist(), f"prompt of {len(prompt)} tokens"
+        for prompt, tokens in zip(prompts, results, strict=True):  # within float32 rounding of the best, each token
+            assert_each_token_near_the_best(reference, prompt, tokens, max_tokens)
         per_seq = blocks_for(WINDOW - 1 + step_tokens + block_size - 1, block_size)
         assert model_info(stub, "window-cuda").peak_used_blocks <= len(prompts) * per_seq
         stats = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="window-cuda")).stats
