@@ -145,10 +145,13 @@ def test_tracing_off_installs_nothing_and_costs_nothing(off, otlp_receiver, requ
             "proxy_meter": type(metrics.get_meter_provider()).__name__,
             "interceptors": len(server_interceptors()),
             "plain_channel": type(instrumented_channel("127.0.0.1:1")).__module__ == "grpc._channel",
-            "torch": "torch" in sys.modules}))
+            "torch": "torch" in sys.modules,
+            "exporters": sorted(m for m in sys.modules if m.startswith("opentelemetry.exporter"))}))
     """, env)
+    # Not even imported: what the execute service would otherwise load before it listens.
     assert out == {**out, "enabled": False, "recording": False, "proxy_tracer": True,
-                   "proxy_meter": "_ProxyMeterProvider", "interceptors": 0, "plain_channel": True, "torch": False}
+                   "proxy_meter": "_ProxyMeterProvider", "interceptors": 0, "plain_channel": True, "torch": False,
+                   "exporters": []}
     assert "Traceback" not in out["stderr"] and "ERROR" not in out["stderr"]
     assert not [s for s in otlp_receiver.spans() if s.resource.get("service.name") == service]
 

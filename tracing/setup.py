@@ -14,8 +14,6 @@ import threading
 from dataclasses import dataclass
 
 from opentelemetry import metrics, trace
-from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
@@ -92,6 +90,10 @@ def exporting_telemetry(resource: Resource) -> Telemetry:
     process that exports for another one (the forward-span writer) uses these with that process's resource."""
     traces_endpoint, metrics_endpoint = _endpoint("TRACES"), _endpoint("METRICS")
     tracer_provider = meter_provider = None
+    # Imported here: a server with tracing off does not pay for the OTLP exporters before it listens.
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
     if traces_endpoint:
         # Sampler from OTEL_TRACES_SAMPLER[_ARG]. No exit hook: Telemetry.shutdown is the one, bounded, flush.
         tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)

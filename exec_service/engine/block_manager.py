@@ -76,9 +76,6 @@ class BlockManager:
             self._free.append(table[index])
             table[index] = self.null_block
 
-    def num_held_blocks(self, seq: Sequence) -> int:
-        return sum(block != self.null_block for block in seq.block_table)
-
     def free(self, seq: Sequence) -> None:
         """Give back every block of ``seq``; its keys and values are gone (recomputed if it runs again)."""
         self._free.extend(block for block in seq.block_table if block != self.null_block)
