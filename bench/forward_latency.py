@@ -82,17 +82,10 @@ def fill_step_buffers(buffers: StepBuffers, ids: torch.Tensor, positions: torch.
     buffers.block_tables[:bs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--bundle", required=True, type=Path)
-    p.add_argument("--trusted-keys", type=Path, help="public key(s) the bundle must be signed by (default: the key "
-                   "pair kept beside its store, as kiln demo and kiln bench keep it)")
-    p.add_argument("--preset", default="llama-3-8b")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--json-out", type=Path)
-    args = p.parse_args()
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+def load_for_decode(args: argparse.Namespace, sizes: list[int]):
+    """The preset's model (dummy weights), a paged KV cache of random values for ``args.context`` tokens of the
+    largest batch, and the bundle's compiled code, loaded as the execute service loads it (signature checked, no
+    compile): (resolved, model, cache spec, caches, compiled, blocks per sequence)."""
     torch.set_grad_enabled(False)
     resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
     model = build_model(resolved, "cuda")
@@ -104,6 +97,21 @@ def main() -> None:
     with expect_no_compile("loading the bundle"):
         compiled = load_compiled(args.bundle, args.bundle.name, TrustedKeys.load(
             args.trusted_keys or local_keys_dir(args.bundle.parent)))
+    return resolved, model, spec, caches, compiled, max_blocks
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bundle", required=True, type=Path)
+    p.add_argument("--trusted-keys", type=Path, help="public key(s) the bundle must be signed by (default: the key "
+                   "pair kept beside its store, as kiln demo and kiln bench keep it)")
+    p.add_argument("--preset", default="llama-3-8b")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args()
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    resolved, model, spec, caches, compiled, max_blocks = load_for_decode(args, sizes)
     bandwidth = copy_bandwidth()
     w_bytes = weights_bytes(model)
     config = resolved.config

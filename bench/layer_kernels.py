@@ -17,17 +17,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from forward_latency import BLOCK_SIZE, copy_bandwidth, decode_metadata, fill_step_buffers
+from forward_latency import BLOCK_SIZE, copy_bandwidth, decode_metadata, fill_step_buffers, load_for_decode
 
-from exec_service.engine import kv_cache
 from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.step_inputs import StepBuffers
-from kiln.bundle import load_compiled
 from kiln.counters import expect_no_compile
-from kiln.model import build_model, weights_bytes
-from kiln.model_spec import resolve
-from kiln.signing import TrustedKeys, local_keys_dir
-from protos import common_pb2
+from kiln.model import weights_bytes
 
 STEPS = 20  # replays profiled per batch size
 
@@ -90,19 +85,9 @@ def main() -> None:
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    torch.set_grad_enabled(False)
-    resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
-    model = build_model(resolved, "cuda")
+    resolved, model, spec, caches, compiled, max_blocks = load_for_decode(args, sizes)
     config = resolved.config
     layers = config.num_hidden_layers
-    spec = kv_cache.KVCacheSpec.from_config(config, BLOCK_SIZE, resolved.dtype)
-    max_blocks = -(-(args.context + 1) // BLOCK_SIZE)
-    caches = kv_cache.allocate(spec, max(sizes) * max_blocks, "cuda")
-    for cache in caches:
-        cache.normal_()
-    with expect_no_compile("loading the bundle"):
-        compiled = load_compiled(args.bundle, args.bundle.name, TrustedKeys.load(
-            args.trusted_keys or local_keys_dir(args.bundle.parent)))
     bandwidth = copy_bandwidth()
     layer_weight_bytes = sum(t.numel() * t.element_size()
                              for t in model.causal_lm.base_model.layers[0].state_dict().values())

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kiln.grpc_server import CHANNEL_OPTIONS
-from protos import common_pb2, compile_pb2, compile_pb2_grpc
+from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2_grpc
 
 # The compile config every test shares, so the tiny model compiles once per session.
 TINY_MODEL = common_pb2.ModelSpec(preset="tiny-llama")
@@ -200,3 +200,21 @@ def load_model(stub, name: str, **fields) -> list:
 def tiny_loaded(exec_stub) -> list:
     """The session's tiny model on the exec server, dummy weights (seed 0), default sizing; its LoadModel events."""
     return load_model(exec_stub, "tiny")
+
+
+@pytest.fixture(scope="module")
+def gpu_stub(tmp_path_factory, signer, trusted_keys):
+    """A compile and an execute service on loopback for a GPU test module: an ExecService stub."""
+    from compile_service.server import start_compile_server
+    from exec_service.server import ExecServerSettings, start_exec_server
+
+    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
+                                                                   signer=signer))
+    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
+                                  cache_dir=tmp_path_factory.mktemp("cache"))
+    exec_server = BackgroundServer(lambda: start_exec_server(settings))
+    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
+    yield exec_pb2_grpc.ExecServiceStub(channel)
+    channel.close()
+    exec_server.stop()
+    compile_server.stop()

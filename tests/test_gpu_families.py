@@ -13,16 +13,13 @@ Judged as tests/greedy_judge.py says.
 
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 import torch
-from conftest import BackgroundServer
 from greedy_judge import assert_each_token_near_the_best
 from test_exec_service import prompt_of
 from test_model_families import FAMILY_CONFIGS, TINY
 
-from kiln.grpc_server import CHANNEL_OPTIONS
-from protos import common_pb2, exec_pb2, exec_pb2_grpc
+from protos import common_pb2, exec_pb2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -43,23 +40,6 @@ MAX_TOKENS = 24
 # Float32 too for the families whose attention differs most: every layer local; local and global layers; soft caps;
 # Qwen2's window from a layer index on.
 FLOAT32_FAMILIES = ["gemma2", "gemma3_text", "mistral", "qwen2"]
-
-
-@pytest.fixture(scope="module")
-def gpu_stub(tmp_path_factory, signer, trusted_keys):
-    from compile_service.server import start_compile_server
-    from exec_service.server import ExecServerSettings, start_exec_server
-
-    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
-                                                                   signer=signer))
-    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
-                                  cache_dir=tmp_path_factory.mktemp("cache"))
-    exec_server = BackgroundServer(lambda: start_exec_server(settings))
-    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
-    yield exec_pb2_grpc.ExecServiceStub(channel)
-    channel.close()
-    exec_server.stop()
-    compile_server.stop()
 
 
 def gpu_model_dir(model_type: str, path):

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from conftest import BackgroundServer
 from greedy_judge import assert_each_token_near_the_best
 from test_engine import StreamCase, run_stream
 from test_exec_service import generate, hf_greedy, model_info, prompt_of, wait_until
@@ -26,8 +25,7 @@ from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import SamplingParams, Sequence
 from kiln.attention_windows import kv_window, layer_windows
-from kiln.grpc_server import CHANNEL_OPTIONS
-from protos import common_pb2, exec_pb2, exec_pb2_grpc
+from protos import common_pb2, exec_pb2
 
 WINDOW = 20  # not a multiple of the block size: the window's first block is partly read
 BLOCK_SIZE = 8
@@ -255,21 +253,11 @@ def test_a_model_with_a_global_layer_frees_nothing(exec_stub, window_dirs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_past_the_window_equal_transformers_in_float32(tmp_path_factory, window_dirs, signer,
-                                                                   trusted_keys):
+def test_cuda_graphs_past_the_window_equal_transformers_in_float32(gpu_stub, window_dirs):
     """The long generation on CUDA: compiled, decode steps replayed from CUDA graphs (padded rows included), the
     Triton kernels over tables with freed blocks; each float32 token transformers' choice up to rounding
     (tests/greedy_judge.py), blocks held bounded."""
-    from compile_service.server import start_compile_server
-    from exec_service.server import ExecServerSettings, start_exec_server
-
-    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
-                                                                   signer=signer))
-    settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
-                                  cache_dir=tmp_path_factory.mktemp("cache"))
-    exec_server = BackgroundServer(lambda: start_exec_server(settings))
-    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
-    stub = exec_pb2_grpc.ExecServiceStub(channel)
+    stub = gpu_stub
     path, block_size, step_tokens = window_dirs["mistral"], 16, 64
     prompts, max_tokens = [prompt_of(5), prompt_of(40, 1), prompt_of(150, 2)], 120
     try:
@@ -290,6 +278,4 @@ def test_cuda_graphs_past_the_window_equal_transformers_in_float32(tmp_path_fact
         stats = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="window-cuda")).stats
         assert any(s.runtime_mode == "cudagraph" for s in stats)
     finally:
-        channel.close()
-        exec_server.stop()
-        compile_server.stop()
+        stub.UnloadModel(exec_pb2.UnloadModelRequest(name="window-cuda"))
