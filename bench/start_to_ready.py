@@ -65,6 +65,9 @@ class Run:
     load_model_s: float = 0.0  # LoadModel sent -> ready (the client's clock)
     ready_s: float = 0.0  # process start -> ready
     evicted_bytes: int = 0
+    # Compiled kernels in the caches once the run ended (Triton's cubins, Inductor's C++ libraries): a cold run that
+    # adds some built them (or unpacked them from the bundle); a warm run that adds none found them all.
+    kernels: dict[str, int] = field(default_factory=dict)
 
 
 def python_files_dirs() -> list[Path]:
@@ -160,7 +163,12 @@ def start_to_ready(label: str, store: Path, trusted: Path, request: exec_pb2.Loa
         _stop(process)
     match = PRELOAD_LINE.search(log_path.read_text(errors="replace"))
     run.preload_s = float(match.group(1)) if match else 0.0
+    run.kernels = {"triton": _count(caches / "triton", "*.cubin"), "inductor": _count(caches / "inductor", "*.so")}
     return run
+
+
+def _count(directory: Path, pattern: str) -> int:
+    return sum(1 for _ in directory.rglob(pattern)) if directory.is_dir() else 0
 
 
 def _wait_listening(channel: grpc.Channel, process: subprocess.Popen, timeout: float, log_path: Path) -> None:
@@ -200,6 +208,8 @@ def table(runs: list[Run]) -> str:
     lines = ["| measure | " + " | ".join(f"{r.label} s" for r in runs) + " |", "|---|" + "---:|" * len(runs)]
     for name, values in rows:
         lines.append(f"| {name} | " + " | ".join("–" if v is None else f"{v:.2f}" for v in values) + " |")
+    lines.append("| kernels in the caches after the run (Triton cubins / Inductor .so) | "
+                 + " | ".join(f"{r.kernels.get('triton', 0)} / {r.kernels.get('inductor', 0)}" for r in runs) + " |")
     return "\n".join(lines)
 
 

@@ -37,9 +37,12 @@ def test_cold_and_warm_start_to_ready_with_every_phase(compile_store, tiny_key, 
         assert run["listening_s"] + run["load_model_s"] <= run["ready_s"]
     # Cold: an empty Inductor cache, so the bundle's C++ kernels are built on load; warm: the same cache, found.
     assert warm["steps"]["load_compiled"]["unpickle"] < cold["steps"]["load_compiled"]["unpickle"]
+    assert cold["kernels"]["inductor"] > 0 and warm["kernels"] == cold["kernels"]
     table = proc.stdout[proc.stdout.index("| measure | cold s | warm s |"):]
     for row in ("| process start -> listening (imports) |", "|   of which the runtime preload |",
-                "| LoadModel: load_compiled |", "|   unpickle |", "| **process start -> ready** |"):
+                "| LoadModel: load_compiled |", "|   unpickle |", "| **process start -> ready** |",
+                f"| kernels in the caches after the run (Triton cubins / Inductor .so) | 0 / "
+                f"{cold['kernels']['inductor']} | 0 / {warm['kernels']['inductor']} |"):
         assert row in table, row
     ready = next(line for line in table.splitlines() if line.startswith("| **process start -> ready**"))
     assert ready == f"| **process start -> ready** | {cold['ready_s']:.2f} | {warm['ready_s']:.2f} |"
