@@ -11,6 +11,8 @@ import pickle
 import torch
 from torch._dynamo.aot_compile_types import SerializableCallable
 from torch._inductor.standalone_compile import AOTCompiledArtifact
+from torch.fx.graph_module import _format_import_block
+from torch.package import sys_importer
 
 
 class CompiledPiece(torch.nn.Module):
@@ -43,10 +45,56 @@ class CompiledPiece(torch.nn.Module):
         return state
 
 
+class SplitForward(torch.nn.Module):
+    """The split graph as its generated Python source and its submodules: what runs, pickled without FX.
+
+    A pickled GraphModule is rebuilt by symbolically tracing its code, and tracing patches ``nn.Module.__call__``
+    for the whole process while it runs: a forward of another model in another thread then fails ("module is not
+    installed as a submodule"). This module runs the same generated source as its forward, so loading a bundle
+    traces nothing. The source comes from the signed bundle, as the pickle around it does.
+    """
+
+    def __init__(self, source: str, children: dict[str, torch.nn.Module]):
+        super().__init__()
+        self.source = source
+        for name, child in children.items():
+            self.add_module(name, child)
+        self._bind()
+
+    @classmethod
+    def of(cls, graph_module: torch.fx.GraphModule) -> "SplitForward":
+        """The graph module's code with the imports it needs (as FX pickles it), its GraphModule children alike."""
+        imports = _format_import_block(graph_module.recompile().globals, sys_importer)
+        children = {name: cls.of(child) if isinstance(child, torch.fx.GraphModule) else child
+                    for name, child in graph_module.named_children()}
+        attributes = [n.target for n in graph_module.graph.nodes
+                      if n.op == "get_attr" and n.target.split(".")[0] not in children]
+        if attributes:
+            raise RuntimeError(f"the split graph reads attributes that are not submodules: {attributes}")
+        return cls(f"{imports}\n{graph_module.code}", children)
+
+    def _bind(self) -> None:
+        namespace: dict = {}
+        exec(compile(self.source, "<kiln split graph>", "exec"), namespace)  # noqa: S102 (signed bundle source)
+        self._generated_forward = namespace["forward"]
+
+    def forward(self, *args):
+        return self._generated_forward(self, *args)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_generated_forward"]
+        return state
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        self._bind()
+
+
 class PiecewiseFunction(SerializableCallable):
     """The split graph module whose compiled submodules are CompiledPieces; splitting ops run eagerly between them."""
 
-    def __init__(self, split_module: torch.fx.GraphModule, pieces: dict[str, CompiledPiece]):
+    def __init__(self, split_module: torch.fx.GraphModule | SplitForward, pieces: dict[str, CompiledPiece]):
         self.split_module = split_module
         self.pieces = pieces
 
@@ -66,7 +114,7 @@ class PiecewiseFunction(SerializableCallable):
 
         pieces = {name: {"symbolic": ref(p.symbolic), "by_size": {n: ref(a) for n, a in p.by_size.items()}}
                   for name, p in fn.pieces.items()}
-        return pickle.dumps({"split_module": fn.split_module, "pieces": pieces, "blobs": blobs})
+        return pickle.dumps({"split_module": SplitForward.of(fn.split_module), "pieces": pieces, "blobs": blobs})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "PiecewiseFunction":

@@ -99,7 +99,10 @@ FRESH_PROCESS_LOAD = textwrap.dedent("""
     model = build_model(resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu"), "cpu", seed=7)
     before = compile_counts()
     bundle_dir = Path(sys.argv[1])
+    traces, trace = [], torch.fx.Tracer.trace  # an FX trace patches nn.Module.__call__ for every thread
+    torch.fx.Tracer.trace = lambda self, *a, **k: traces.append(type(self).__name__) or trace(self, *a, **k)
     fn = load_compiled(bundle_dir, bundle_dir.name, TrustedKeys.load(sys.argv[2]))
+    torch.fx.Tracer.trace = trace
     out = {}
     with torch.no_grad():
         for n in (8, 5, 1):
@@ -107,17 +110,20 @@ FRESH_PROCESS_LOAD = textwrap.dedent("""
             got, want = model.logits(fn(model, ids, pos)), model.logits(model(ids, pos))
             out[n] = [list(got.shape), (got - want).abs().max().item()]
     delta = compile_counts() - before
-    print(json.dumps({"sizes": out, "dynamo_graphs": delta.dynamo_graphs, "inductor": delta.inductor_compiles}))
+    print(json.dumps({"sizes": out, "dynamo_graphs": delta.dynamo_graphs, "inductor": delta.inductor_compiles,
+                      "fx_traces": traces}))
 """)
 
 
-def test_fresh_process_loads_without_dynamo_and_matches_eager(compile_store, tiny_key, signing_dir):
+def test_fresh_process_loads_without_dynamo_or_fx_and_matches_eager(compile_store, tiny_key, signing_dir):
     proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LOAD, str(compile_store / tiny_key),
                            str(signing_dir / "signing.pub")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["dynamo_graphs"] == 0 and report["inductor"] == 0
+    # No FX trace while loading either: it would break a forward of another model running beside the load.
+    assert report["fx_traces"] == []
     for n, (shape, maxdiff) in report["sizes"].items():
         assert shape == [int(n), 512]
         assert maxdiff < 1e-4, f"{n} tokens: logits differ by {maxdiff}"

@@ -5,6 +5,7 @@ Greedy output is checked token for token against transformers' own ``generate`` 
 
 import json
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -444,6 +445,35 @@ def test_concurrent_generates_on_two_models(exec_stub, tiny_loaded, hf_tiny):
         results = [f.result()[0] for f in futures]
     expected = [hf_greedy(hf_tiny, p, 12) for p in prompts]
     assert results == expected + expected
+
+
+def test_loads_beside_generates_of_another_model_disturb_none(exec_stub, tiny_loaded, hf_tiny):
+    """LoadModel after LoadModel (each unpickling a bundle) while four clients generate on another model: every
+    Generate completes with transformers' tokens. Unpickling the split graph as an FX GraphModule re-traced it with
+    nn.Module.__call__ patched process-wide, and the other model's steps failed INTERNAL ("module is not installed
+    as a submodule"); kiln.piecewise.SplitForward traces nothing."""
+    prompts = [prompt_of(n, salt) for salt, n in enumerate([5, 40, 150])]
+    expected = [hf_greedy(hf_tiny, p, 16) for p in prompts]
+    loading = threading.Event()
+    loading.set()
+
+    def client() -> list:
+        outputs = []
+        while loading.is_set():
+            outputs += [generate(exec_stub, "tiny", p, max_tokens=16, temperature=0, ignore_eos=True)[0]
+                        for p in prompts]
+        return outputs
+
+    with ThreadPoolExecutor(4) as pool:
+        clients = [pool.submit(client) for _ in range(4)]
+        try:
+            for i in range(16):
+                load_model(exec_stub, f"beside-{i}")
+                exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=f"beside-{i}"))
+        finally:
+            loading.clear()
+        outputs = [tokens for c in clients for tokens in c.result()]
+    assert len(outputs) >= 12 and outputs == expected * (len(outputs) // 3)
 
 
 def test_shared_store_is_read_in_place(compile_store, tiny_key, tiny_loaded, tmp_path, trusted_keys):

@@ -166,9 +166,8 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
     runner = ModelRunner(target.resolved, config)
 
     # One model at a time from here to the engine, per process: the memory profile measures the device's peak,
-    # which a concurrent load would inflate, and unpickling a bundle re-traces its FX graphs with nn.Module.__call__
-    # patched process-wide, which breaks a forward running beside it ("module is not installed as a submodule").
-    # Fetches (a compile on the compile service, a download) still overlap.
+    # which a concurrent load would inflate. Fetches (a compile on the compile service, a download) still overlap,
+    # and so do other models' steps: loading a bundle traces nothing (kiln.piecewise.SplitForward).
     with _DEVICE_PHASES:
         with phases.phase(spans.LOAD_WEIGHTS) as (event, span):
             with phases.step(spans.BUILD_MODEL):
