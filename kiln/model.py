@@ -105,6 +105,12 @@ def _skeleton(model: ResolvedModel) -> PreTrainedModel:
         raise unbuildable(exc) from None
 
 
+def transformers_model(model: ResolvedModel, device: str, seed: int = 0) -> PreTrainedModel:
+    """transformers' own model with the dummy weights ``build_model`` gives for ``seed``, its projections apart (as
+    checkpoints and transformers keep them): what references and saved copies of Kiln's model are made from."""
+    return _dummy_weights(_skeleton(model), device, seed).eval()
+
+
 def _dummy_weights(skeleton: PreTrainedModel, device: str, seed: int) -> PreTrainedModel:
     """The skeleton's tensors on ``device``, each initialised once by transformers' own ``_init_weights`` (seeded):
     the values transformers gives every tensor a checkpoint lacks (``from_pretrained`` builds on the meta device and
