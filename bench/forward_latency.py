@@ -100,17 +100,22 @@ def load_for_decode(args: argparse.Namespace, sizes: list[int]):
     return resolved, model, spec, caches, compiled, max_blocks
 
 
-def main() -> None:
+def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
+    """The command line of a bench that decodes a bundle's model at several batch sizes: its args and the sizes."""
     p = argparse.ArgumentParser()
     p.add_argument("--bundle", required=True, type=Path)
     p.add_argument("--trusted-keys", type=Path, help="public key(s) the bundle must be signed by (default: the key "
                    "pair kept beside its store, as kiln demo and kiln bench keep it)")
     p.add_argument("--preset", default="llama-3-8b")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--batch-sizes", default=batch_sizes)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    return args, [int(s) for s in args.batch_sizes.split(",")]
+
+
+def main() -> None:
+    args, sizes = decode_bench_args("1,2,4,8,16,32,64")
     resolved, model, spec, caches, compiled, max_blocks = load_for_decode(args, sizes)
     bandwidth = copy_bandwidth()
     w_bytes = weights_bytes(model)

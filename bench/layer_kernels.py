@@ -9,15 +9,20 @@ usage: python bench/layer_kernels.py --bundle STORE/KEY [--trusted-keys KEYS] [-
                                      [--batch-sizes 1,8,32] [--json-out FILE]
 """
 
-import argparse
 import json
 import re
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-from forward_latency import BLOCK_SIZE, copy_bandwidth, decode_metadata, fill_step_buffers, load_for_decode
+from forward_latency import (
+    BLOCK_SIZE,
+    copy_bandwidth,
+    decode_bench_args,
+    decode_metadata,
+    fill_step_buffers,
+    load_for_decode,
+)
 
 from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.step_inputs import StepBuffers
@@ -75,16 +80,7 @@ def layer_table(kernels: dict[str, tuple[int, float]], layers: int) -> tuple[lis
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--bundle", required=True, type=Path)
-    p.add_argument("--trusted-keys", type=Path, help="public key(s) the bundle must be signed by (default: the key "
-                   "pair kept beside its store)")
-    p.add_argument("--preset", default="llama-3-8b")
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--json-out", type=Path)
-    args = p.parse_args()
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    args, sizes = decode_bench_args("1,8,32")
     resolved, model, spec, caches, compiled, max_blocks = load_for_decode(args, sizes)
     config = resolved.config
     layers = config.num_hidden_layers
