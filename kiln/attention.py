@@ -19,10 +19,17 @@ from kiln.forward_context import current_forward_context
 ATTENTION_IMPLEMENTATION = "kiln"
 ATTENTION_OP_NAME = "kiln::attention"
 
-# Keyword arguments transformers' attention modules pass that do not change what attention computes here:
-# positions are already in q/k (rotary), the cache is Kiln's, dropout is off in eval.
-_NEUTRAL_KWARGS = {"position_ids", "use_cache", "cache", "past_key_values", "cache_position", "output_attentions",
-                   "position_embeddings", "dropout"}
+# Keyword arguments transformers' decoder layers pass down that do not change their output here: positions are in
+# the rotary tables, the cache is Kiln's. Attention modules add the tables themselves (already in q and k) and
+# dropout (off in eval).
+LAYER_NEUTRAL_KWARGS = frozenset({"position_ids", "use_cache", "cache", "past_key_values", "cache_position",
+                                  "output_attentions"})
+_ATTENTION_NEUTRAL_KWARGS = LAYER_NEUTRAL_KWARGS | {"position_embeddings", "dropout"}
+
+
+def asked_of(kwargs: dict, neutral: frozenset[str]) -> list[str]:
+    """The keyword arguments that ask for something (set, and not to None or False) beyond the ``neutral`` ones."""
+    return sorted(k for k, v in kwargs.items() if k not in neutral and v is not None and v is not False)
 
 
 @torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=())
@@ -60,7 +67,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, slidi
     Anything else a module asks of attention (a non-causal mask, attention sinks, ...) is refused here rather than
     ignored; kiln.model_features refuses the configs that lead to it before a model is built.
     """
-    asked = sorted(k for k, v in kwargs.items() if k not in _NEUTRAL_KWARGS and v is not None and v is not False)
+    asked = asked_of(kwargs, _ATTENTION_NEUTRAL_KWARGS)
     if asked or not getattr(module, "is_causal", True):
         raise NotImplementedError(f"Kiln's attention op does not implement {asked or ['non-causal attention']} "
                                   f"({type(module).__name__})")

@@ -13,14 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.attention import LAYER_NEUTRAL_KWARGS, asked_of
 from kiln.errors import FailedPrecondition
 
 LayerCode = Callable[..., torch.Tensor]  # (LayerStep, hidden, cos, sin, layer index) -> hidden
-
-# Keyword arguments transformers' decoder loops pass that do not change a layer's output here: positions are in the
-# rotary tables, the cache is Kiln's (None here), and Kiln registers no attention mask.
-_NEUTRAL_KWARGS = {"position_ids", "cache", "past_key_values", "use_cache", "cache_position", "output_attentions"}
-
 
 class LayerStep(torch.nn.Module):
     """One decoder layer, its index an input (a 0-d CPU tensor the attention op reads) so that one compiled code
@@ -88,8 +84,7 @@ class DecoderLayers:
             if self.code is None:  # transformers' own use of the module (generate with its cache, a reference run)
                 return type(step.layer).forward(step.layer, hidden_states, attention_mask=attention_mask,
                                                 position_embeddings=position_embeddings, **kwargs)
-            asked = sorted(k for k, v in kwargs.items()
-                           if k not in _NEUTRAL_KWARGS and v is not None and v is not False)
+            asked = asked_of(kwargs, LAYER_NEUTRAL_KWARGS)  # and Kiln registers no attention mask
             if asked or attention_mask is not None or not isinstance(position_embeddings, tuple):
                 raise NotImplementedError(f"a decoder layer called with {asked or ['a mask or no rotary tables']}: "
                                           f"Kiln runs layers that take hidden states and rotary tables only")
