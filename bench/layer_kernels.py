@@ -85,8 +85,7 @@ def main() -> None:
     config = resolved.config
     layers = config.num_hidden_layers
     bandwidth = copy_bandwidth()
-    layer_weight_bytes = sum(t.numel() * t.element_size()
-                             for t in model.causal_lm.base_model.layers[0].state_dict().values())
+    layer_weight_bytes = weights_bytes(model.causal_lm.base_model.layers[0])
     buffers = StepBuffers(max(sizes), max(sizes), max_blocks, BLOCK_SIZE, config.vocab_size, "cuda")
     graphs = CUDAGraphs(lambda ids, pos: compiled(model, ids, pos), tuple(sizes), buffers, config.hidden_size,
                         resolved.dtype, torch.device("cuda"))

@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.passes.split_module import split_module
 
+from kiln.merged_projections import merge_identical_linears
 from kiln.piecewise import CompiledPiece, PiecewiseFunction
 from tracing import spans
 
@@ -29,6 +30,7 @@ class SplitStats:
     num_splits: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     graph_received_ns: int = 0  # wall clock when Dynamo handed over the graph: the end of its tracing
+    merged_linears: int = 0  # linear calls made one with an identical one (kiln.merged_projections)
 
 
 def _split_op_targets(splitting_ops: tuple[str, ...]) -> set:
@@ -134,6 +136,7 @@ class PiecewiseBackend:
         self.stats.graph_received_ns = time.time_ns()
         start = time.perf_counter()
         with spans.phase_span(spans.SPLIT, region=self.region) as span:
+            self.stats.merged_linears = merge_identical_linears(gm)
             split_gm, split_parts = self._split(gm)
             names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]
             span.set_attributes({spans.NUM_PIECES: len(names), spans.NUM_SPLITS: len(split_parts)})

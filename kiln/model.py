@@ -17,6 +17,7 @@ from kiln.attention import ATTENTION_IMPLEMENTATION
 from kiln.device_memory import available_bytes
 from kiln.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, first_line, quote
 from kiln.layer_regions import DecoderLayers
+from kiln.merged_projections import merge_projections
 from kiln.model_spec import ResolvedModel
 
 
@@ -50,7 +51,9 @@ class TokenModel(torch.nn.Module):
         base = causal_lm.base_model
         if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
             raise InvalidArgument(f"model config: {type(base).__name__} has no list of decoder layers to compile")
-        self.layers = DecoderLayers(base.layers[:causal_lm.config.num_hidden_layers])
+        layers = base.layers[:causal_lm.config.num_hidden_layers]
+        merge_projections(layers)
+        self.layers = DecoderLayers(layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with self.layers.running():  # each layer eagerly, unless a compiled forward routes them already
@@ -100,6 +103,12 @@ def _skeleton(model: ResolvedModel) -> PreTrainedModel:
             return AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
     except CONFIG_BUILD_ERRORS as exc:
         raise unbuildable(exc) from None
+
+
+def transformers_model(model: ResolvedModel, device: str, seed: int = 0) -> PreTrainedModel:
+    """transformers' own model with the dummy weights ``build_model`` gives for ``seed``, its projections apart (as
+    checkpoints and transformers keep them): what references and saved copies of Kiln's model are made from."""
+    return _dummy_weights(_skeleton(model), device, seed).eval()
 
 
 def _dummy_weights(skeleton: PreTrainedModel, device: str, seed: int) -> PreTrainedModel:

@@ -27,7 +27,7 @@ from exec_service.startup.fetch import FetchedBundle, check_factors
 from kiln import bundle, cache_key, compiler_caches
 from kiln.compile_config import CompileConfig
 from kiln.errors import FailedPrecondition
-from kiln.model import build_model
+from kiln.model import transformers_model
 from kiln.model_factors import model_config_factors
 from kiln.model_spec import resolve
 from kiln_cli.service_process import ServiceProcess, free_port
@@ -115,8 +115,7 @@ def test_same_key(compile_stub, tiny_key, row):
 
 def test_same_key_for_weights_and_paths(compile_stub, tiny_key, tmp_path):
     """A saved HF directory with real (seeded) weights keys as the preset does, wherever it is moved."""
-    model = build_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=123)
-    model.causal_lm.save_pretrained(tmp_path / "tiny")
+    transformers_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=123).save_pretrained(tmp_path / "tiny")
     assert key_of(compile_stub, common_pb2.ModelSpec(hf_dir=str(tmp_path / "tiny"))).key.digest == tiny_key
     moved = tmp_path / "elsewhere" / "deeper"
     moved.parent.mkdir()

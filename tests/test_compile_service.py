@@ -35,6 +35,38 @@ def test_split_gives_a_piece_pair_per_kind_of_layer(tiny_compiles):
     assert {"trace", "split", "inductor", "save"} <= phases
 
 
+def test_a_layer_runs_one_gemm_per_projection_group():
+    """q/k/v and gate/up hold one weight each (kiln.merged_projections); in the graph Dynamo traces for a layer,
+    each group's slices are one product after the compile service's pass: 7 linear calls become 4."""
+    import torch
+
+    from compile_service.pipeline import _layer_examples
+    from kiln.compile_config import CompileConfig
+    from kiln.merged_projections import merge_identical_linears
+    from kiln.model import build_model
+
+    resolved = resolve(TINY_MODEL, "cpu")
+    module = build_model(resolved, "cpu")
+    attention, mlp = module.layers.steps[0].layer.self_attn, module.layers.steps[0].layer.mlp
+    assert attention.q_proj.weight is attention.k_proj.weight is attention.v_proj.weight
+    assert mlp.gate_proj.weight is mlp.up_proj.weight and mlp.down_proj.weight is not mlp.up_proj.weight
+    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_num_batched_tokens=64))
+    counts = []
+
+    def count_linears(gm, example_inputs):
+        def linears():
+            return sum(n.op == "call_function" and n.target is torch._C._nn.linear for n in gm.graph.nodes)
+
+        before = linears()
+        counts.append((before, before - merge_identical_linears(gm)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(step, backend=count_linears, fullgraph=True)(*inputs)
+    assert counts == [(7, 4)]
+
+
 def tiny_with(**fields) -> common_pb2.ModelSpec:
     return common_pb2.ModelSpec(config_json=json.dumps(
         json.loads(json.dumps(resolve(TINY_MODEL, "cpu").config.to_dict())) | fields))

@@ -29,17 +29,11 @@ PROMPT_LENGTHS = [1, 5, 16, 17, 40, 150]
 
 def hf_model(seed: int = 0):
     """transformers' own model with the weights build_model gives for ``seed``, on its SDPA attention."""
-    from transformers import AutoModelForCausalLM
+    from kiln.model import transformers_model
 
-    from kiln.model import build_model
-
-    weights = build_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=seed).causal_lm.state_dict()
-    # A config of its own: build_model sets Kiln's attention on the config it was given.
-    model = AutoModelForCausalLM.from_config(resolve(TINY_MODEL, "cpu").config, dtype=torch.float32,
-                                             attn_implementation="sdpa")
-    model.load_state_dict(weights)
-    assert model.config._attn_implementation == "sdpa"
-    return model.eval()
+    model = transformers_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=seed)
+    model.config._attn_implementation = "sdpa"
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -212,12 +212,12 @@ def test_dummy_weights_are_transformers_initialisation(model_type):
     against ``from_config``'s (built on the device, initialised twice): the same tensors, the same ties, every buffer
     (rotary frequencies, embedding scales) and every constant parameter (norms, biases) equal, every random one drawn
     from the same distribution; and reproducible from its seed."""
-    from kiln.model import build_model
+    from kiln.model import transformers_model
     from kiln.model_spec import resolve
 
     raw = dict(TINY, **FAMILY_CONFIGS[model_type])
     resolved = resolve(common_pb2.ModelSpec(config_json=json.dumps(raw)), "cpu")
-    ours = build_model(resolved, "cpu", seed=3).causal_lm
+    ours = transformers_model(resolved, "cpu", seed=3)
     theirs = tiny_model(model_type, seed=3)
     assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers()])
 
@@ -240,7 +240,7 @@ def test_dummy_weights_are_transformers_initialisation(model_type):
         else:
             assert param.std().item() == pytest.approx(expected.std().item(), rel=0.25), name
             assert abs(param.mean().item()) < 3 * expected.std().item() / param.numel() ** 0.5 + 1e-6, name
-    again = build_model(resolved, "cpu", seed=3).causal_lm.state_dict()
-    other = build_model(resolved, "cpu", seed=4).causal_lm.state_dict()
+    again = transformers_model(resolved, "cpu", seed=3).state_dict()
+    other = transformers_model(resolved, "cpu", seed=4).state_dict()
     assert all(torch.equal(t, again[n]) for n, t in ours.state_dict().items())
     assert not all(torch.equal(t, other[n]) for n, t in ours.state_dict().items())

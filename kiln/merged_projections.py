@@ -1,0 +1,85 @@
+"""Projections that read the same input, kept as one weight matrix: attention's q/k/v, the MLP's gate/up.
+
+A decode step multiplies a few rows by each weight matrix, so its time is reading the weights plus a fixed cost per
+GEMM: on the H200 cuBLAS reads Llama-3-8B's k and v projections at ~38 % of the bandwidth and adds split-K
+reductions (BENCHMARKS.md, the per-layer kernel table). With a group's weights in one matrix, each projection module
+becomes a slice of the group's product; in a compiled layer the group's identical products are one GEMM
+(``merge_identical_linears``), as vLLM's merged linear layers and gpt-fast's ``wqkv`` are. Eager runs (the memory
+profile, the eager runtime mode) multiply by each projection's own rows, as before.
+"""
+
+import torch
+import torch.nn.functional as F
+
+# (the layer's submodule, its projections that read one input), as transformers' dense decoders name them.
+GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+class ProjectionSlice(torch.nn.Module):
+    """Rows ``start:end`` of a group's merged weight (and bias): the projection that used to own them."""
+
+    def __init__(self, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None, start: int, end: int):
+        super().__init__()
+        self.weight = weight  # the group's Parameter, shared by its slices like tied embeddings
+        self.bias = bias
+        self.start, self.end = start, end
+        self.in_features, self.out_features = weight.shape[1], end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the group's one product, sliced: merge_identical_linears keeps one
+            return F.linear(x, self.weight, self.bias)[..., self.start:self.end]
+        bias = None if self.bias is None else self.bias[self.start:self.end]
+        return F.linear(x, self.weight[self.start:self.end], bias)
+
+
+def merge_projections(layers: list[torch.nn.Module]) -> int:
+    """Give each decoder layer's groups one weight; returns how many groups were merged. A group is merged only where
+    its modules are plain Linears over the same input size, dtype and device, all with a bias or none."""
+    merged = 0
+    for layer in layers:
+        for parent_name, names in GROUPS:
+            parent = getattr(layer, parent_name, None)
+            projections = [getattr(parent, name, None) for name in names]
+            if not _mergeable(projections):
+                continue
+            weight = torch.nn.Parameter(torch.cat([p.weight.detach() for p in projections]), requires_grad=False)
+            bias = None
+            if projections[0].bias is not None:
+                bias = torch.nn.Parameter(torch.cat([p.bias.detach() for p in projections]), requires_grad=False)
+            start = 0
+            for name, projection in zip(names, projections, strict=True):
+                end = start + projection.out_features
+                setattr(parent, name, ProjectionSlice(weight, bias, start, end))
+                start = end
+            merged += 1
+    return merged
+
+
+def _mergeable(projections: list) -> bool:
+    if not all(type(p) is torch.nn.Linear for p in projections):
+        return False
+    first = projections[0]
+    return all(p.in_features == first.in_features and p.weight.dtype == first.weight.dtype
+               and p.weight.device == first.weight.device and (p.bias is None) == (first.bias is None)
+               for p in projections)
+
+
+def merge_identical_linears(gm: torch.fx.GraphModule) -> int:
+    """Make the graph's ``linear`` calls on the same input, weight and bias one call; returns how many went.
+
+    A group's slices each ask for the group's whole product (ProjectionSlice); this leaves one GEMM per group.
+    ``linear`` is pure, so calls with the same arguments are the same value."""
+    seen: dict[tuple, torch.fx.Node] = {}
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
+            continue
+        signature = (node.args, tuple(sorted(node.kwargs.items())))
+        first = seen.setdefault(signature, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            removed += 1
+    if removed:
+        gm.recompile()
+    return removed
