@@ -20,7 +20,8 @@ loads a position outside every query's window: the blocks there may have been fr
 entries naming the null block. A head_dim that is not a power of two (Phi-3's 96) is padded to one inside the
 kernels, masked on load and store.
 
-Accumulation is in fp32 (fp32 inputs use tf32 dots); the output has q's dtype. Rows of the batch that are CUDA-graph
+Accumulation is in fp32; fp32 inputs' dots are exact unless torch's float32 matmul precision allows TF32 (as it
+does for cuBLAS: a float32 model computes in float32). The output has q's dtype. Rows of the batch that are CUDA-graph
 padding (sequence length 0) produce zeros.
 """
 
@@ -108,6 +109,7 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step of q's rows over context tokens n0 .. n0 + BLOCK_N, read through the block table.
 
@@ -138,7 +140,7 @@ def _attend_tile(
     else:
         k = tl.load(k_cache_ptr + kv_offs)
         v = tl.load(v_cache_ptr + kv_offs)
-    scores = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:
         scores = cap_scale * (2.0 * tl.sigmoid(2.0 * scores) - 1.0)  # tanh
     if MASKED:
@@ -153,7 +155,7 @@ def _attend_tile(
     p = tl.exp2(scores - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -191,6 +193,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Attend the query heads of one kv head over one split of one sequence's context (its window's tail of it).
 
@@ -248,6 +251,7 @@ def _decode_split_kernel(
             CAUSAL=False,
             WINDOWED=False,
             SOFTCAP=SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION,
         )
 
     nonempty = l_i > 0
@@ -332,6 +336,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's cached context.
 
@@ -402,6 +407,7 @@ def _prefill_kernel(
             CAUSAL=True,
             WINDOWED=True,
             SOFTCAP=SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION,
         )
     for n0 in range(window_full, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
@@ -431,6 +437,7 @@ def _prefill_kernel(
             CAUSAL=True,
             WINDOWED=False,
             SOFTCAP=SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION,
         )
     for n0 in range(tl.maximum(window_full, unmasked_end), end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
@@ -460,6 +467,7 @@ def _prefill_kernel(
             CAUSAL=True,
             WINDOWED=False,
             SOFTCAP=SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -486,6 +494,14 @@ def _decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torc
 def _block_d(head_dim: int) -> int:
     """head_dim padded to what tl.arange and tl.dot take: a power of two, at least 16."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """How a dot of fp32 inputs uses the tensor cores: exactly, unless torch's float32 matmul precision lets the
+    model's own matmuls use TF32 too (16-bit inputs multiply exactly either way)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def _scales(scale: float, softcap: float) -> tuple[float, float]:
@@ -556,6 +572,7 @@ def _decode(
         BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N,
         SOFTCAP=softcap > 0,
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,
     )
@@ -611,6 +628,7 @@ def _prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SOFTCAP=softcap > 0,
+        DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

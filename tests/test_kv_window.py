@@ -270,9 +270,9 @@ def test_cuda_graphs_past_the_window_equal_transformers_in_float32(gpu_stub, win
         with ThreadPoolExecutor(len(prompts)) as pool:  # three decodes replay the graph of 4: one padded row
             results = list(pool.map(lambda p: generate(stub, "window-cuda", p, max_tokens=max_tokens,
                                                        temperature=0.0, ignore_eos=True)[0], prompts))
-        reference = reference_model(path).cuda()
+        served = reference_model(path).cuda()
         for prompt, tokens in zip(prompts, results, strict=True):  # within float32 rounding of the best, each token
-            assert_each_token_near_the_best(reference, prompt, tokens, max_tokens)
+            assert_each_token_near_the_best(served, prompt, tokens, max_tokens)
         per_seq = blocks_for(WINDOW - 1 + step_tokens + block_size - 1, block_size)
         assert model_info(stub, "window-cuda").peak_used_blocks <= len(prompts) * per_seq
         stats = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="window-cuda")).stats
