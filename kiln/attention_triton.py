@@ -20,8 +20,8 @@ loads a position outside every query's window: the blocks there may have been fr
 entries naming the null block. A head_dim that is not a power of two (Phi-3's 96) is padded to one inside the
 kernels, masked on load and store.
 
-Accumulation is in fp32; fp32 inputs' dots are exact unless torch's float32 matmul precision allows TF32 (as it
-does for cuBLAS: a float32 model computes in float32). The output has q's dtype. Rows of the batch that are CUDA-graph
+Accumulation is in fp32; fp32 inputs' dots are IEEE unless torch.set_float32_matmul_precision allows TF32, the
+switch cuBLAS follows for the model's own matmuls. The output has q's dtype. Rows of the batch that are CUDA-graph
 padding (sequence length 0) produce zeros.
 """
 
@@ -39,6 +39,9 @@ MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
 DECODE_BLOCK_N = 32  # context tokens per decode loop iteration
 DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
+# Decode arguments that follow the split count, so the batch size: the log-sum-exp strides (the partial outputs'
+# strides are multiples of head_dim, divisible by 16 whatever the count).
+DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
 # Prefill tiles by element size: (query tokens per program, context tokens per step, num_warps, num_stages).
 PREFILL_CONFIGS = {2: (128, 32, 8, 2), 4: (64, 32, 4, 2)}
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
@@ -159,7 +162,9 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+# Arguments that vary with the batch size (the split count and the strides it sets) are not specialised on: a
+# captured batch size must not build a kernel of its own (each Triton build is ~0.5 s of a cold start).
+@triton.jit(do_not_specialize=["stride_bt", "window", *DECODE_SPLIT_ARGS])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -264,7 +269,7 @@ def _decode_split_kernel(
     tl.store(part_lse_ptr + seq.to(tl.int64) * stride_plb + heads * stride_plh + split, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DECODE_SPLIT_ARGS)
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -587,7 +592,7 @@ def _decode(
         *out.stride()[:2],
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=MAX_DECODE_SPLITS,  # one kernel for every split count
         num_warps=4,
     )
 
