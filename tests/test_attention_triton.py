@@ -211,8 +211,8 @@ def test_prefill(shape, step):
 
 @pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter multiplies float32 exactly whatever the precision")
 def test_float32_dots_follow_torchs_matmul_precision():
-    """A float32 model computes in float32 (TF32 rounding moved a tiny Mistral's greedy token by 0.15 of a logit on
-    the H200); set_float32_matmul_precision("high") lets the kernels use TF32, as it lets cuBLAS."""
+    """A float32 model's attention computes in float32 (Triton's dots default to TF32, ~1e-3 off);
+    set_float32_matmul_precision("high") lets the kernels use TF32, as it lets cuBLAS."""
     from kiln import attention_triton
 
     case = make_case([1500, 700, 1], [1500, 333, 1], 8, 8, 64, 32, torch.float32)
