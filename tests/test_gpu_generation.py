@@ -15,7 +15,7 @@ from test_engine import model_info, streams_together_then_alone, wait_until
 
 from exec_service.engine.sampler import counter_uniform
 from kiln.grpc_server import CHANNEL_OPTIONS
-from kiln.model import build_model
+from kiln.model import transformers_model
 from kiln.model_spec import resolve
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
@@ -75,9 +75,15 @@ def _kiln_tokens(stub, name: str, dtype: str, mode) -> list[list[int]]:
         return list(pool.map(generate, PROMPTS))
 
 
+def _transformers(dtype: str):
+    """transformers' own model with the weights Kiln serves for ``dtype``, on its SDPA attention."""
+    model = transformers_model(resolve(_spec(dtype), "cuda"), "cuda", seed=SEED)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
 def _hf_tokens(dtype: str) -> list[list[int]]:
-    causal_lm = build_model(resolve(_spec(dtype), "cuda"), "cuda", seed=SEED).causal_lm
-    causal_lm.config._attn_implementation = "sdpa"
+    causal_lm = _transformers(dtype)
     out = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -99,8 +105,7 @@ def test_bfloat16_with_cuda_graphs_follows_transformers_float32(gpu_servers):
     """The served bf16 weights, read by transformers in float64 and in bf16, judge each of Kiln's tokens
     (tests/greedy_judge.py)."""
     kiln = _kiln_tokens(gpu_servers, "small-bfloat16", "bfloat16", exec_pb2.RUNTIME_MODE_CUDAGRAPH)
-    served = build_model(resolve(_spec("bfloat16"), "cuda"), "cuda", seed=SEED).causal_lm
-    served.config._attn_implementation = "sdpa"
+    served = _transformers("bfloat16")
     for prompt, got in zip(PROMPTS, kiln, strict=True):
         assert len(got) == MAX_TOKENS
         assert_each_token_near_the_best(served, prompt, got, 16)
