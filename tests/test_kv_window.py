@@ -262,11 +262,13 @@ def test_cuda_graphs_past_the_window_equal_transformers_in_float32(gpu_stub, win
     prompts, max_tokens = [prompt_of(5), prompt_of(40, 1), prompt_of(150, 2)], 120
     try:
         ready = list(stub.LoadModel(exec_pb2.LoadModelRequest(
-            name="window-cuda", model=common_pb2.ModelSpec(hf_dir=str(path)), weights=str(path),
+            name="window-cuda", model=common_pb2.ModelSpec(hf_dir=str(path), dtype="float32"), weights=str(path),
             config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=step_tokens),
             runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH, capture_sizes=[1, 2, 4], max_num_seqs=4,
             block_size=block_size, kv_cache_bytes=64 << 20)))[-1].ready
         assert ready.kv_window == WINDOW and ready.runtime_mode == "cudagraph"
+        # float32 blocks (CUDA's default dtype is bfloat16), the null block included
+        assert ready.kv_cache_bytes == (ready.num_kv_blocks + 1) * MISTRAL_BLOCK_BYTES * block_size // BLOCK_SIZE
         with ThreadPoolExecutor(len(prompts)) as pool:  # three decodes replay the graph of 4: one padded row
             results = list(pool.map(lambda p: generate(stub, "window-cuda", p, max_tokens=max_tokens,
                                                        temperature=0.0, ignore_eos=True)[0], prompts))
