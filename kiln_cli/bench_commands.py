@@ -111,7 +111,7 @@ async def _bench(address: str, args, config: common_pb2.CompileConfig, client: C
         finally:
             await stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
     print(f"{args.model}: batch {args.batch_size}, input {args.input_len}, output {args.output_len}, "
-          f"{sizing.runtime_mode} on {sizing.device}")
+          f"{sizing.dtype} {sizing.runtime_mode} on {sizing.device}")
     print(f"Avg latency: {statistics.mean(latencies):.4f} seconds "
           f"(min {min(latencies):.4f}, max {max(latencies):.4f}, {len(latencies)} iterations)")
     print(stats_line(stats))

@@ -107,7 +107,7 @@ async def _load(stub, model: str, device: str) -> exec_pb2.ModelSizing:
     async for event in stub.LoadModel(request):
         if event.HasField("ready"):
             sizing = event.ready
-            _say(f"ready: {sizing.runtime_mode} on {sizing.device}, {sizing.num_kv_blocks} KV blocks of "
+            _say(f"ready: {sizing.dtype} {sizing.runtime_mode} on {sizing.device}, {sizing.num_kv_blocks} KV blocks of "
                  f"{sizing.block_size} tokens, bundle {sizing.key.digest[:16] or '-'}")
             continue
         p = event.phase

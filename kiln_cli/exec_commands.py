@@ -179,7 +179,7 @@ def run_load(args) -> int:
                 s = event.ready
                 out.message(event, f"ready: {s.num_kv_blocks} KV blocks of {s.block_size} tokens "
                                    f"({s.kv_cache_bytes / 2**20:.1f} MiB), max_num_seqs {s.max_num_seqs}, "
-                                   f"max_model_len {s.max_model_len}, {s.runtime_mode} on {s.device}")
+                                   f"max_model_len {s.max_model_len}, {s.dtype} {s.runtime_mode} on {s.device}")
 
     return _call(args, work)
 

@@ -25,49 +25,49 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/exec.proto\x12\x07kiln.v1\x1a\x13protos/common.proto\"\xaa\x03\n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05model\x18\x02 \x01(\x0b\x32\x12.kiln.v1.ModelSpec\x12&\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x16.kiln.v1.CompileConfig\x12!\n\x03key\x18\x04 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\x0f\n\x07weights\x18\x05 \x01(\t\x12\x14\n\x0cweights_seed\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\x05\x12\x1e\n\x16gpu_memory_utilization\x18\n \x01(\x02\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x03\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x15\n\rcapture_sizes\x18\r \x03(\x05\x12*\n\x0cruntime_mode\x18\x0e \x01(\x0e\x32\x14.kiln.v1.RuntimeMode\x12\x17\n\x0fmax_num_waiting\x18\x0f \x01(\x05\"^\n\x0cStartupPhase\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x10\n\x08progress\x18\x04 \x01(\x08\x12\x0c\n\x04step\x18\x05 \x01(\t\"\xb6\x03\n\x0bModelSizing\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x06 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x03\x12\x15\n\rweights_bytes\x18\x08 \x01(\x03\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\t \x01(\x03\x12\x17\n\x0f\x63udagraph_bytes\x18\n \x01(\x03\x12\x1a\n\x12total_memory_bytes\x18\x0b \x01(\x03\x12\x15\n\rcapture_sizes\x18\x0c \x03(\x05\x12\x14\n\x0cruntime_mode\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12%\n\x07timings\x18\x0f \x03(\x0b\x32\x14.kiln.v1.PhaseTiming\x12\x12\n\nvocab_size\x18\x10 \x01(\x05\x12\x11\n\tkv_window\x18\x11 \x01(\x05\"h\n\x0eLoadModelEvent\x12&\n\x05phase\x18\x01 \x01(\x0b\x32\x15.kiln.v1.StartupPhaseH\x00\x12%\n\x05ready\x18\x02 \x01(\x0b\x32\x14.kiln.v1.ModelSizingH\x00\x42\x07\n\x05\x65vent\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadModelResponse\"\x13\n\x11ListModelsRequest\"\xcf\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.kiln.v1.ModelState\x12$\n\x06sizing\x18\x03 \x01(\x0b\x32\x14.kiln.v1.ModelSizing\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10peak_used_blocks\x18\x08 \x01(\x05\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.kiln.v1.ModelInfo\"\x8b\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x8f\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x05\"\x80\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.kiln.v1.FinishReason\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.kiln.v1.Usage\"6\n\x16GetForwardStatsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05reset\x18\x02 \x01(\x08\"\x9d\x01\n\x0e\x42\x61tchSizeStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x11\n\tmedian_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p90_ms\x18\x05 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x06 \x01(\x01\x12\x14\n\x0cruntime_mode\x18\x07 \x01(\t\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\"A\n\x17GetForwardStatsResponse\x12&\n\x05stats\x18\x01 \x03(\x0b\x32\x17.kiln.v1.BatchSizeStats*z\n\x0bRuntimeMode\x12\x1c\n\x18RUNTIME_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUNTIME_MODE_EAGER\x10\x01\x12\x19\n\x15RUNTIME_MODE_COMPILED\x10\x02\x12\x1a\n\x16RUNTIME_MODE_CUDAGRAPH\x10\x03*q\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x16\n\x12MODEL_STATE_FAILED\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xfa\x02\n\x0b\x45xecService\x12\x41\n\tLoadModel\x12\x19.kiln.v1.LoadModelRequest\x1a\x17.kiln.v1.LoadModelEvent0\x01\x12H\n\x0bUnloadModel\x12\x1b.kiln.v1.UnloadModelRequest\x1a\x1c.kiln.v1.UnloadModelResponse\x12\x45\n\nListModels\x12\x1a.kiln.v1.ListModelsRequest\x1a\x1b.kiln.v1.ListModelsResponse\x12\x41\n\x08Generate\x12\x18.kiln.v1.GenerateRequest\x1a\x19.kiln.v1.GenerateResponse0\x01\x12T\n\x0fGetForwardStats\x12\x1f.kiln.v1.GetForwardStatsRequest\x1a .kiln.v1.GetForwardStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/exec.proto\x12\x07kiln.v1\x1a\x13protos/common.proto\"\xaa\x03\n\x10LoadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05model\x18\x02 \x01(\x0b\x32\x12.kiln.v1.ModelSpec\x12&\n\x06\x63onfig\x18\x03 \x01(\x0b\x32\x16.kiln.v1.CompileConfig\x12!\n\x03key\x18\x04 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\x0f\n\x07weights\x18\x05 \x01(\t\x12\x14\n\x0cweights_seed\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\x05\x12\x1e\n\x16gpu_memory_utilization\x18\n \x01(\x02\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x03\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x15\n\rcapture_sizes\x18\r \x03(\x05\x12*\n\x0cruntime_mode\x18\x0e \x01(\x0e\x32\x14.kiln.v1.RuntimeMode\x12\x17\n\x0fmax_num_waiting\x18\x0f \x01(\x05\"^\n\x0cStartupPhase\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x10\n\x08progress\x18\x04 \x01(\x08\x12\x0c\n\x04step\x18\x05 \x01(\t\"\xc5\x03\n\x0bModelSizing\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.kiln.v1.ArtifactKey\x12\x15\n\rnum_kv_blocks\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x06 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x03\x12\x15\n\rweights_bytes\x18\x08 \x01(\x03\x12\x1d\n\x15\x61\x63tivation_peak_bytes\x18\t \x01(\x03\x12\x17\n\x0f\x63udagraph_bytes\x18\n \x01(\x03\x12\x1a\n\x12total_memory_bytes\x18\x0b \x01(\x03\x12\x15\n\rcapture_sizes\x18\x0c \x03(\x05\x12\x14\n\x0cruntime_mode\x18\r \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12%\n\x07timings\x18\x0f \x03(\x0b\x32\x14.kiln.v1.PhaseTiming\x12\x12\n\nvocab_size\x18\x10 \x01(\x05\x12\x11\n\tkv_window\x18\x11 \x01(\x05\x12\r\n\x05\x64type\x18\x12 \x01(\t\"h\n\x0eLoadModelEvent\x12&\n\x05phase\x18\x01 \x01(\x0b\x32\x15.kiln.v1.StartupPhaseH\x00\x12%\n\x05ready\x18\x02 \x01(\x0b\x32\x14.kiln.v1.ModelSizingH\x00\x42\x07\n\x05\x65vent\"\"\n\x12UnloadModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13UnloadModelResponse\"\x13\n\x11ListModelsRequest\"\xcf\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.kiln.v1.ModelState\x12$\n\x06sizing\x18\x03 \x01(\x0b\x32\x14.kiln.v1.ModelSizing\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x13\n\x0bnum_running\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10peak_used_blocks\x18\x08 \x01(\x05\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.kiln.v1.ModelInfo\"\x8b\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x8f\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x05\"\x80\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.kiln.v1.FinishReason\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.kiln.v1.Usage\"6\n\x16GetForwardStatsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05reset\x18\x02 \x01(\x08\"\x9d\x01\n\x0e\x42\x61tchSizeStats\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\r\n\x05\x63ount\x18\x03 \x01(\x03\x12\x11\n\tmedian_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p90_ms\x18\x05 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x06 \x01(\x01\x12\x14\n\x0cruntime_mode\x18\x07 \x01(\t\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\"A\n\x17GetForwardStatsResponse\x12&\n\x05stats\x18\x01 \x03(\x0b\x32\x17.kiln.v1.BatchSizeStats*z\n\x0bRuntimeMode\x12\x1c\n\x18RUNTIME_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12RUNTIME_MODE_EAGER\x10\x01\x12\x19\n\x15RUNTIME_MODE_COMPILED\x10\x02\x12\x1a\n\x16RUNTIME_MODE_CUDAGRAPH\x10\x03*q\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x16\n\x12MODEL_STATE_FAILED\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xfa\x02\n\x0b\x45xecService\x12\x41\n\tLoadModel\x12\x19.kiln.v1.LoadModelRequest\x1a\x17.kiln.v1.LoadModelEvent0\x01\x12H\n\x0bUnloadModel\x12\x1b.kiln.v1.UnloadModelRequest\x1a\x1c.kiln.v1.UnloadModelResponse\x12\x45\n\nListModels\x12\x1a.kiln.v1.ListModelsRequest\x1a\x1b.kiln.v1.ListModelsResponse\x12\x41\n\x08Generate\x12\x18.kiln.v1.GenerateRequest\x1a\x19.kiln.v1.GenerateResponse0\x01\x12T\n\x0fGetForwardStats\x12\x1f.kiln.v1.GetForwardStatsRequest\x1a .kiln.v1.GetForwardStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.exec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNTIMEMODE']._serialized_start=2301
-  _globals['_RUNTIMEMODE']._serialized_end=2423
-  _globals['_MODELSTATE']._serialized_start=2425
-  _globals['_MODELSTATE']._serialized_end=2538
-  _globals['_FINISHREASON']._serialized_start=2540
-  _globals['_FINISHREASON']._serialized_end=2635
+  _globals['_RUNTIMEMODE']._serialized_start=2316
+  _globals['_RUNTIMEMODE']._serialized_end=2438
+  _globals['_MODELSTATE']._serialized_start=2440
+  _globals['_MODELSTATE']._serialized_end=2553
+  _globals['_FINISHREASON']._serialized_start=2555
+  _globals['_FINISHREASON']._serialized_end=2650
   _globals['_LOADMODELREQUEST']._serialized_start=52
   _globals['_LOADMODELREQUEST']._serialized_end=478
   _globals['_STARTUPPHASE']._serialized_start=480
   _globals['_STARTUPPHASE']._serialized_end=574
   _globals['_MODELSIZING']._serialized_start=577
-  _globals['_MODELSIZING']._serialized_end=1015
-  _globals['_LOADMODELEVENT']._serialized_start=1017
-  _globals['_LOADMODELEVENT']._serialized_end=1121
-  _globals['_UNLOADMODELREQUEST']._serialized_start=1123
-  _globals['_UNLOADMODELREQUEST']._serialized_end=1157
-  _globals['_UNLOADMODELRESPONSE']._serialized_start=1159
-  _globals['_UNLOADMODELRESPONSE']._serialized_end=1180
-  _globals['_LISTMODELSREQUEST']._serialized_start=1182
-  _globals['_LISTMODELSREQUEST']._serialized_end=1201
-  _globals['_MODELINFO']._serialized_start=1204
-  _globals['_MODELINFO']._serialized_end=1411
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1413
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1469
-  _globals['_GENERATEREQUEST']._serialized_start=1472
-  _globals['_GENERATEREQUEST']._serialized_end=1739
-  _globals['_USAGE']._serialized_start=1742
-  _globals['_USAGE']._serialized_end=1885
-  _globals['_GENERATERESPONSE']._serialized_start=1888
-  _globals['_GENERATERESPONSE']._serialized_end=2016
-  _globals['_GETFORWARDSTATSREQUEST']._serialized_start=2018
-  _globals['_GETFORWARDSTATSREQUEST']._serialized_end=2072
-  _globals['_BATCHSIZESTATS']._serialized_start=2075
-  _globals['_BATCHSIZESTATS']._serialized_end=2232
-  _globals['_GETFORWARDSTATSRESPONSE']._serialized_start=2234
-  _globals['_GETFORWARDSTATSRESPONSE']._serialized_end=2299
-  _globals['_EXECSERVICE']._serialized_start=2638
-  _globals['_EXECSERVICE']._serialized_end=3016
+  _globals['_MODELSIZING']._serialized_end=1030
+  _globals['_LOADMODELEVENT']._serialized_start=1032
+  _globals['_LOADMODELEVENT']._serialized_end=1136
+  _globals['_UNLOADMODELREQUEST']._serialized_start=1138
+  _globals['_UNLOADMODELREQUEST']._serialized_end=1172
+  _globals['_UNLOADMODELRESPONSE']._serialized_start=1174
+  _globals['_UNLOADMODELRESPONSE']._serialized_end=1195
+  _globals['_LISTMODELSREQUEST']._serialized_start=1197
+  _globals['_LISTMODELSREQUEST']._serialized_end=1216
+  _globals['_MODELINFO']._serialized_start=1219
+  _globals['_MODELINFO']._serialized_end=1426
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1428
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1484
+  _globals['_GENERATEREQUEST']._serialized_start=1487
+  _globals['_GENERATEREQUEST']._serialized_end=1754
+  _globals['_USAGE']._serialized_start=1757
+  _globals['_USAGE']._serialized_end=1900
+  _globals['_GENERATERESPONSE']._serialized_start=1903
+  _globals['_GENERATERESPONSE']._serialized_end=2031
+  _globals['_GETFORWARDSTATSREQUEST']._serialized_start=2033
+  _globals['_GETFORWARDSTATSREQUEST']._serialized_end=2087
+  _globals['_BATCHSIZESTATS']._serialized_start=2090
+  _globals['_BATCHSIZESTATS']._serialized_end=2247
+  _globals['_GETFORWARDSTATSRESPONSE']._serialized_start=2249
+  _globals['_GETFORWARDSTATSRESPONSE']._serialized_end=2314
+  _globals['_EXECSERVICE']._serialized_start=2653
+  _globals['_EXECSERVICE']._serialized_end=3031
 # @@protoc_insertion_point(module_scope)

@@ -88,7 +88,7 @@ class StartupPhase(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ..., progress: _Optional[bool] = ..., step: _Optional[str] = ...) -> None: ...
 
 class ModelSizing(_message.Message):
-    __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size", "kv_window")
+    __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size", "kv_window", "dtype")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class ModelSizing(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     key: _common_pb2.ArtifactKey
     num_kv_blocks: int
     block_size: int
@@ -123,7 +124,8 @@ class ModelSizing(_message.Message):
     timings: _containers.RepeatedCompositeFieldContainer[_common_pb2.PhaseTiming]
     vocab_size: int
     kv_window: int
-    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., cudagraph_bytes: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[str] = ..., device: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., kv_window: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., cudagraph_bytes: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[str] = ..., device: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., kv_window: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class LoadModelEvent(_message.Message):
     __slots__ = ("phase", "ready")

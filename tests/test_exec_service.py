@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from conftest import ANOTHER_TORCH, TINY_MODEL, BackgroundServer, load_model
+from conftest import ANOTHER_TORCH, TINY_CONFIG, TINY_MODEL, BackgroundServer, load_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from exec_service.server import ExecServerSettings, start_exec_server
@@ -98,9 +98,23 @@ def test_startup_phases_in_order_profile_before_compiled_load(tiny_loaded, tiny_
     sizing = tiny_loaded[-1].ready
     assert by_name["profile_memory"].detail == f"# CPU blocks: {sizing.num_kv_blocks}"
     assert sizing.key.digest == tiny_key and sizing.runtime_mode == "compiled" and sizing.device == "cpu"
+    assert sizing.dtype == "float32"  # no dtype asked: the CPU's default
     assert sizing.num_kv_blocks == (64 << 20) // (2 * 2 * 16 * 2 * 16 * 4)  # 64 MiB of 8 KiB blocks
     assert sizing.max_num_batched_tokens == 128 and sizing.max_model_len == 512 and sizing.vocab_size == 512
     assert [t.phase for t in sizing.timings] == PHASES[:-1]
+
+
+def test_ready_names_the_dtype_asked_for(exec_stub):
+    """A dtype other than the device's default is served, and said so: half the KV bytes a block of float32."""
+    request = exec_pb2.LoadModelRequest(name="tiny-bf16", model=common_pb2.ModelSpec(preset="tiny-llama",
+                                                                                    dtype="bfloat16"),
+                                        config=TINY_CONFIG, runtime_mode=exec_pb2.RUNTIME_MODE_EAGER)
+    sizing = list(exec_stub.LoadModel(request))[-1].ready
+    try:
+        assert sizing.dtype == "bfloat16"
+        assert sizing.kv_cache_bytes == sizing.num_kv_blocks * 2 * 2 * 16 * 2 * 16 * 2  # 2-byte elements
+    finally:
+        exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-bf16"))
 
 
 def test_greedy_matches_transformers_for_concurrent_prompts(exec_stub, tiny_loaded, hf_tiny, step_records):

@@ -74,7 +74,7 @@ def test_family_cuda_graphs_follow_transformers(gpu_stub, tmp_path, model_type, 
         max_num_seqs=8, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH, kv_cache_bytes=256 << 20,
         capture_sizes=[1, 2, 4, 8])
     events = list(gpu_stub.LoadModel(request))
-    assert events[-1].ready.runtime_mode == "cudagraph"
+    assert events[-1].ready.runtime_mode == "cudagraph" and events[-1].ready.dtype == dtype
 
     def generate(prompt):
         return [t for r in gpu_stub.Generate(exec_pb2.GenerateRequest(

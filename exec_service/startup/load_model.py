@@ -84,6 +84,7 @@ class ModelSizing:
     timings: tuple[tuple[str, float], ...]  # every phase with its seconds
     vocab_size: int
     kv_window: int  # tokens of KV a sequence keeps (every layer windowed), 0: all of them
+    dtype: str  # what the model runs in: the request's, or the device's default
 
 
 @dataclass
@@ -230,7 +231,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
         weights_bytes=runner.weights_bytes, activation_peak_bytes=activation_peak, cudagraph_bytes=cudagraph_bytes,
         total_memory_bytes=budget.total_bytes, capture_sizes=config.capture_sizes,
         runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
-        vocab_size=target.resolved.config.vocab_size, kv_window=runner.kv_window)
+        vocab_size=target.resolved.config.vocab_size, kv_window=runner.kv_window, dtype=target.resolved.dtype_name)
     return StartedModel(engine, sizing, tokenizer)
 
 
