@@ -78,6 +78,7 @@ def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: Artifact
     start = time.perf_counter()
     factors = cache_key.key_factors(model, config)
     key = cache_key.digest(factors)
+    key_s = time.perf_counter() - start
     progress("key", 0, 0, "", "")
     with store.lock(key):
         path = store.get(key)
@@ -89,7 +90,7 @@ def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: Artifact
             staged = store.staging_dir()
             # One compile at a time: Dynamo's state and the cache directories' environment variables are global.
             with _compile_lock, partitioned_caches(config.device):
-                manifest = _compile_into(staged, key, factors, model, config, progress)
+                manifest = _compile_into(staged, key, factors, model, config, progress, key_s)
             store.commit(key, staged)
         except KilnError:  # the store's own refusal (unreachable, lease lost): its status, not INTERNAL
             _discard(store, staged)
@@ -114,14 +115,19 @@ def _discard(store: ArtifactStore, staged) -> None:
 
 
 def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileConfig,
-                  progress: ProgressFn) -> bundle.Manifest:
-    timings = {"trace": 0.0, "split": 0.0, "inductor": 0.0}
+                  progress: ProgressFn, key_s: float) -> bundle.Manifest:
+    """The bundle in ``staged``. Its timings name every phase of a cold compile, the key's (a meta-device build of
+    the model, and on CPU Inductor's ISA probes) and the eager forward that finds each layer kind's inputs too."""
+    timings = {"key": key_s, "trace": 0.0, "split": 0.0, "inductor": 0.0}
     t = time.perf_counter()
     module = build_model(model, config.device)
     timings["build"] = time.perf_counter() - t
     compiled, num_pieces, num_splits = [], 0, 0
     torch._dynamo.reset()
-    for kind, (step, inputs) in enumerate(_layer_examples(module, model, config)):
+    t = time.perf_counter()
+    examples = _layer_examples(module, model, config)
+    timings["examples"] = time.perf_counter() - t
+    for kind, (step, inputs) in enumerate(examples):
         code, stats = _compile_layer(f"layer{kind}", step, inputs, config, progress, num_pieces)
         compiled.append(code)
         for phase in ("trace", "split", "inductor"):

@@ -32,7 +32,7 @@ def test_split_gives_a_piece_pair_per_kind_of_layer(tiny_compiles):
     # tiny-llama: two layers of one kind, compiled once, split at its attention call into two pieces.
     assert (result.num_pieces, result.num_splits) == (2, 1)
     phases = {t.phase for t in result.timings}
-    assert {"trace", "split", "inductor", "save"} <= phases
+    assert {"key", "build", "examples", "trace", "split", "inductor", "save"} <= phases
 
 
 def test_a_layer_runs_one_gemm_per_projection_group():
