@@ -17,7 +17,7 @@ import pytest
 import torch
 from greedy_judge import assert_each_token_near_the_best
 from test_exec_service import prompt_of
-from test_model_families import FAMILY_CONFIGS, TINY
+from test_model_families import FAMILY_CONFIGS, TINY, reference_attention
 
 from protos import common_pb2, exec_pb2
 
@@ -52,19 +52,10 @@ def gpu_model_dir(model_type: str, path):
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
 
 
-def reference_attention(path) -> dict:
-    """transformers' eager attention for a model with capped attention logits: SDPA has no cap, and transformers
-    5.17 (the GPU machine's) still lists Gemma 2 as SDPA-capable and drops the cap there (5.24 refuses SDPA)."""
-    from transformers import AutoConfig
-
-    return {"attn_implementation": "eager"} if getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping",
-                                                       None) else {}
-
-
 @pytest.mark.parametrize("model_type, dtype", [(m, "bfloat16") for m in sorted(FAMILY_CONFIGS)]
                          + [(m, "float32") for m in FLOAT32_FAMILIES])
 def test_family_cuda_graphs_follow_transformers(gpu_stub, tmp_path, model_type, dtype):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     gpu_model_dir(model_type, tmp_path)
     name = f"gpu-{model_type}-{dtype}"
@@ -84,8 +75,9 @@ def test_family_cuda_graphs_follow_transformers(gpu_stub, tmp_path, model_type, 
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: decode batches of several sizes
             outputs = list(pool.map(generate, PROMPTS))
+        attention = reference_attention(AutoConfig.from_pretrained(tmp_path))
         served = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=getattr(torch, dtype),
-                                                      **reference_attention(tmp_path)).to("cuda").eval()
+                                                      **attention).to("cuda").eval()
         for prompt, got in zip(PROMPTS, outputs, strict=True):
             assert len(got) == MAX_TOKENS
             assert_each_token_near_the_best(served, prompt, got, COMPARED)

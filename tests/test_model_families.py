@@ -106,7 +106,14 @@ def reference_model(path, **overrides):
     fields = AutoConfig.from_pretrained(path).to_dict()
     fields.update(overrides)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                **reference_attention(config)).eval()
+
+
+def reference_attention(config) -> dict:
+    """transformers' eager attention for a model with capped attention logits: SDPA has no cap, and transformers
+    5.17 (the GPU machine's) still lists Gemma 2 as SDPA-capable and drops the cap there (5.24 refuses SDPA)."""
+    return {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
 
 
 @pytest.fixture(scope="session")
