@@ -116,8 +116,9 @@ def _discard(store: ArtifactStore, staged) -> None:
 
 def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileConfig,
                   progress: ProgressFn, key_s: float) -> bundle.Manifest:
-    """The bundle in ``staged``. Its timings name every phase of a cold compile, the key's (a meta-device build of
-    the model, and on CPU Inductor's ISA probes) and the eager forward that finds each layer kind's inputs too."""
+    """The bundle in ``staged``, its timings a cold compile phase by phase: the key (a meta-device build of the
+    model; on CPU, Inductor's ISA probes), the model's build, the eager forward that finds each layer kind's inputs,
+    then trace, split, Inductor and save."""
     timings = {"key": key_s, "trace": 0.0, "split": 0.0, "inductor": 0.0}
     t = time.perf_counter()
     module = build_model(model, config.device)

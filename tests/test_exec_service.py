@@ -105,7 +105,8 @@ def test_startup_phases_in_order_profile_before_compiled_load(tiny_loaded, tiny_
 
 
 def test_ready_names_the_dtype_asked_for(exec_stub):
-    """A dtype other than the device's default is served, and said so: half the KV bytes a block of float32."""
+    """A dtype other than the device's default is served and named in the ready reply; its KV blocks take half
+    the bytes of float32's."""
     request = exec_pb2.LoadModelRequest(name="tiny-bf16", model=common_pb2.ModelSpec(preset="tiny-llama",
                                                                                     dtype="bfloat16"),
                                         config=TINY_CONFIG, runtime_mode=exec_pb2.RUNTIME_MODE_EAGER)
