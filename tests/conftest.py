@@ -186,11 +186,11 @@ def exec_stub(exec_channel):
     return exec_pb2_grpc.ExecServiceStub(exec_channel)
 
 
-def load_model(stub, name: str, **fields) -> list:
+def load_model(stub, name: str, model=TINY_MODEL, **fields) -> list:
     """LoadModel to the end; returns every event, the last one ``ready``."""
     from protos import exec_pb2
 
-    request = exec_pb2.LoadModelRequest(name=name, model=TINY_MODEL, config=TINY_CONFIG, **fields)
+    request = exec_pb2.LoadModelRequest(name=name, model=model, config=TINY_CONFIG, **fields)
     events = list(stub.LoadModel(request))
     assert events[-1].HasField("ready")
     return events

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from conftest import ANOTHER_TORCH, TINY_CONFIG, TINY_MODEL, BackgroundServer, load_model
+from conftest import ANOTHER_TORCH, TINY_MODEL, BackgroundServer, load_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from exec_service.server import ExecServerSettings, start_exec_server
@@ -107,10 +107,8 @@ def test_startup_phases_in_order_profile_before_compiled_load(tiny_loaded, tiny_
 def test_ready_names_the_dtype_asked_for(exec_stub):
     """A dtype other than the device's default is served and named in the ready reply; its KV blocks take half
     the bytes of float32's."""
-    request = exec_pb2.LoadModelRequest(name="tiny-bf16", model=common_pb2.ModelSpec(preset="tiny-llama",
-                                                                                    dtype="bfloat16"),
-                                        config=TINY_CONFIG, runtime_mode=exec_pb2.RUNTIME_MODE_EAGER)
-    sizing = list(exec_stub.LoadModel(request))[-1].ready
+    spec = common_pb2.ModelSpec(preset="tiny-llama", dtype="bfloat16")
+    sizing = load_model(exec_stub, "tiny-bf16", model=spec, runtime_mode=exec_pb2.RUNTIME_MODE_EAGER)[-1].ready
     try:
         assert sizing.dtype == "bfloat16"
         assert sizing.kv_cache_bytes == sizing.num_kv_blocks * 2 * 2 * 16 * 2 * 16 * 2  # 2-byte elements
