@@ -10,8 +10,8 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from kiln.attention_triton import paged_attention
-from kiln.forward_context import AttentionMetadata
+from kiln.attention.forward_context import AttentionMetadata
+from kiln.attention.triton_kernels import paged_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 MAX_MODEL_LEN = 8192  # block-table width, as a server sizes it; decode's split count depends on it

@@ -7,7 +7,7 @@ A row per variant and layer count: ``--num-layers 32,1`` puts the model beside i
 the cold compile should cost now that the decoder layer is compiled once and run for every layer. The Dynamo graphs
 and Inductor compiles of the cold compile are counted (they must not grow with the layers), and so are those of the
 load (they must be 0). The JSON also lists the torch and Triton modules that loading still imported after
-kiln.bundle.preload_runtime (what preload_runtime should cover).
+kiln.store.bundle.preload_runtime (what preload_runtime should cover).
 
 usage: python bench/compile_times.py [--preset llama-3-8b] [--device cuda] [--dtype bfloat16] [--num-layers 32,1]
                                      [--compile-sizes 1,8,32] [--inductor-config '{"coordinate_descent_tuning": true}']
@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPILE = """
 import json, sys, time
 from protos import common_pb2
-from kiln.model_spec import resolve
-from kiln.compile_config import CompileConfig
-from kiln.artifact_store import FilesystemStore
-from kiln.counters import compile_counts
-from kiln.signing import Signer, TrustedKeys
+from kiln.model.spec import resolve
+from kiln.compilation.config import CompileConfig
+from kiln.store.artifact_store import FilesystemStore
+from kiln.compilation.counters import compile_counts
+from kiln.store.signing import Signer, TrustedKeys
 from compile_service.pipeline import compile_model
 spec, device, store, config_json, keys = sys.argv[1:6]
 config = common_pb2.CompileConfig()
@@ -54,14 +54,14 @@ t0 = time.perf_counter()
 import torch
 from pathlib import Path
 from protos import common_pb2
-from kiln.bundle import load_compiled
-from kiln.counters import compile_counts
-from kiln.model import build_model
-from kiln.model_spec import resolve
-from kiln.signing import TrustedKeys
+from kiln.store.bundle import load_compiled
+from kiln.compilation.counters import compile_counts
+from kiln.model.causal_lm import build_model
+from kiln.model.spec import resolve
+from kiln.store.signing import TrustedKeys
 spec, device, path, keys = sys.argv[1:5]
 model = build_model(resolve(common_pb2.ModelSpec.FromString(bytes.fromhex(spec)), device), device)
-from kiln.bundle import preload_runtime
+from kiln.store.bundle import preload_runtime
 t = time.perf_counter()
 preload_runtime()
 imports_s = time.perf_counter() - t
@@ -99,7 +99,7 @@ def fresh_env(tmp: Path, name: str) -> dict:
 
 def model_spec(preset: str, dtype: str, layers: int | None) -> str:
     """The preset, or its config with ``layers`` decoder layers, as a hex-encoded ModelSpec for the child."""
-    from kiln.presets import PRESETS
+    from kiln.model.presets import PRESETS
     from protos import common_pb2
 
     if layers is None:
@@ -139,7 +139,7 @@ def main() -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        from kiln.signing import generate_key_pair
+        from kiln.store.signing import generate_key_pair
 
         # The bundles are signed, and checked at load; kept stores keep their keys beside them.
         keys = str(generate_key_pair((args.keep_stores or tmp) / "keys")[0].parent)

@@ -19,12 +19,12 @@ from transformers import DynamicCache
 from exec_service.engine import kv_cache
 from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.step_inputs import StepBuffers
-from kiln.bundle import load_compiled
-from kiln.counters import expect_no_compile
-from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
-from kiln.model import build_model, weights_bytes
-from kiln.model_spec import resolve
-from kiln.signing import TrustedKeys, local_keys_dir
+from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from kiln.compilation.counters import expect_no_compile
+from kiln.model.causal_lm import build_model, weights_bytes
+from kiln.model.spec import resolve
+from kiln.store.bundle import load_compiled
+from kiln.store.signing import TrustedKeys, local_keys_dir
 from protos import common_pb2
 
 BLOCK_SIZE = 16

@@ -34,13 +34,13 @@ from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.startup import kv_sizing
-from kiln.attention import ATTENTION_IMPLEMENTATION
-from kiln.attention_windows import kv_window, layer_windows
-from kiln.bundle import load_compiled
-from kiln.model import TokenModel, build_model, weights_bytes
-from kiln.model_spec import ResolvedModel, resolve
+from kiln.attention.op import ATTENTION_IMPLEMENTATION
+from kiln.attention.windows import kv_window, layer_windows
+from kiln.model.causal_lm import TokenModel, build_model, weights_bytes
+from kiln.model.spec import ResolvedModel, resolve
 from kiln.runtime_mode import RuntimeMode
-from kiln.signing import TrustedKeys, local_keys_dir
+from kiln.store.bundle import load_compiled
+from kiln.store.signing import TrustedKeys, local_keys_dir
 from protos import common_pb2
 
 

@@ -26,8 +26,8 @@ from forward_latency import (
 
 from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.step_inputs import StepBuffers
-from kiln.counters import expect_no_compile
-from kiln.model import weights_bytes
+from kiln.compilation.counters import expect_no_compile
+from kiln.model.causal_lm import weights_bytes
 
 STEPS = 20  # replays profiled per batch size
 

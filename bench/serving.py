@@ -35,7 +35,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from kiln_cli.service_process import LocalServices
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
@@ -226,8 +226,8 @@ def hf_run(args, prompts) -> dict:
     import torch
     from transformers import GenerationConfig
 
-    from kiln.model import build_model
-    from kiln.model_spec import resolve
+    from kiln.model.causal_lm import build_model
+    from kiln.model.spec import resolve
 
     resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype), "cuda")
     causal_lm = build_model(resolved, "cuda").causal_lm
@@ -324,7 +324,7 @@ def main() -> None:
     if bool(args.exec_server) != bool(args.model):
         p.error("--exec-server and --model go together")
     rng = random.Random(args.seed)
-    from kiln.model_spec import PRESETS
+    from kiln.model.spec import PRESETS
 
     vocab = PRESETS[args.preset]["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]

@@ -37,8 +37,8 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as `python bench/start_to_ready.py` from anywhere
 
-from kiln.grpc_server import CHANNEL_OPTIONS  # noqa: E402
-from kiln.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_key_pair, local_keys_dir  # noqa: E402
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS  # noqa: E402
+from kiln.store.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_key_pair, local_keys_dir  # noqa: E402
 from kiln_cli.service_process import ServiceProcess, child_environment, free_port, kiln_command  # noqa: E402
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc  # noqa: E402
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import grpc
 
-from kiln.grpc_server import CHANNEL_OPTIONS
-from kiln.redis_store import RedisStore
-from kiln.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_key_pair
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.store.redis_store import RedisStore
+from kiln.store.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_key_pair
 from kiln_cli.service_process import ServiceProcess, child_environment, free_port, kiln_command
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc
 
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from kiln_cli.bench_commands import decode_batch
 from kiln_cli.service_process import LocalServices, child_environment
 from protos import common_pb2, exec_pb2, exec_pb2_grpc

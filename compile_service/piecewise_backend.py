@@ -1,7 +1,7 @@
 """A torch.compile backend that splits a region's Dynamo graph at the splitting ops and compiles each other piece.
 
 As in vLLM's "[7/N] torch.compile, reduce compilation time", the attention op runs between compiled pieces; Kiln
-compiles one decoder layer per kind (``kiln.layer_regions``), run for every layer of that kind, so a layer is one
+compiles one decoder layer per kind (``kiln.model.layer_regions``), run for every layer of that kind, so a layer is one
 pair of pieces. Each piece is compiled by ``standalone_compile`` for the symbolic token count and for
 each compile size; the result is a PiecewiseFunction that ``aot_compile`` saves.
 """
@@ -17,8 +17,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.passes.split_module import split_module
 
-from kiln.merged_projections import merge_identical_linears
-from kiln.piecewise import CompiledPiece, PiecewiseFunction
+from kiln.compilation.piecewise import CompiledPiece, PiecewiseFunction
+from kiln.model.merged_projections import merge_identical_linears
 from tracing import spans
 
 ProgressFn = Callable[[str, int, int, str, str], None]  # (phase, piece, num_pieces, size, region)
@@ -30,7 +30,7 @@ class SplitStats:
     num_splits: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     graph_received_ns: int = 0  # wall clock when Dynamo handed over the graph: the end of its tracing
-    merged_linears: int = 0  # linear calls made one with an identical one (kiln.merged_projections)
+    merged_linears: int = 0  # linear calls made one with an identical one (kiln.model.merged_projections)
 
 
 def _split_op_targets(splitting_ops: tuple[str, ...]) -> set:

@@ -3,7 +3,7 @@
 Identical requests serialize on the key's lock (a file lock, or a lease in Redis across compile services), so the
 second one waits and gets a hit. Compiles of different keys run one at a time in the process: Dynamo's state is
 global, and so are the environment variables that point Inductor and Triton at this process's cache partition
-(``kiln.compiler_caches``).
+(``kiln.compilation.compiler_caches``).
 """
 
 import json
@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 from compile_service.piecewise_backend import PiecewiseBackend
-from kiln import bundle, cache_key
-from kiln.artifact_store import ArtifactStore
-from kiln.compile_config import CompileConfig
-from kiln.compiler_caches import partitioned_caches
+from kiln.compilation import cache_key
+from kiln.compilation.compiler_caches import partitioned_caches
+from kiln.compilation.config import CompileConfig
 from kiln.errors import Internal, KilnError, first_line, resource_error
-from kiln.layer_regions import LayerStep
-from kiln.model import TokenModel, build_model
-from kiln.model_spec import ResolvedModel
+from kiln.model.causal_lm import TokenModel, build_model
+from kiln.model.layer_regions import LayerStep
+from kiln.model.spec import ResolvedModel
+from kiln.store import bundle
+from kiln.store.artifact_store import ArtifactStore
 from tracing import spans
 
 log = logging.getLogger(__name__)

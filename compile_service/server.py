@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 
 from compile_service.pipeline import CompileOutcome, compile_model, look_up
-from kiln import bundle
-from kiln.artifact_store import ArtifactStore, check_key
-from kiln.bundle import CorruptBundle, UntrustedBundle
-from kiln.compile_config import CompileConfig
+from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument, NotFound
-from kiln.grpc_server import (
+from kiln.model.roots import ModelRoots
+from kiln.model.spec import resolve
+from kiln.rpc.grpc_server import (
     UNGUARDED,
     ProgressEvents,
     Server,
@@ -22,10 +21,11 @@ from kiln.grpc_server import (
     is_loopback,
     status_errors,
 )
-from kiln.model_roots import ModelRoots
-from kiln.model_spec import resolve
-from kiln.signing import Signer, TrustedKeys
-from kiln.store_location import open_store
+from kiln.store import bundle
+from kiln.store.artifact_store import ArtifactStore, check_key
+from kiln.store.bundle import CorruptBundle, UntrustedBundle
+from kiln.store.location import open_store
+from kiln.store.signing import Signer, TrustedKeys
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
 log = logging.getLogger(__name__)

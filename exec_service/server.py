@@ -11,13 +11,13 @@ from pathlib import Path
 from exec_service.api.servicer import SERVICE_NAME, ExecServicer
 from exec_service.startup.fetch import COMPILE_CHANNEL_OPTIONS, BundleFetcher
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
-from kiln import bundle
-from kiln.client_security import PLAINTEXT, ClientSecurity
-from kiln.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, UNGUARDED, Server, ServerSecurity, is_loopback
-from kiln.model_roots import ModelRoots
-from kiln.signing import TrustedKeys
+from kiln.model.roots import ModelRoots
+from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
+from kiln.rpc.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, UNGUARDED, Server, ServerSecurity, is_loopback
 from kiln.step_record import StepObserver
-from kiln.store_location import open_store
+from kiln.store import bundle
+from kiln.store.location import open_store
+from kiln.store.signing import TrustedKeys
 from protos import exec_pb2, exec_pb2_grpc
 from tracing.grpc_instrumentation import instrumented_channel, server_interceptors
 from tracing.setup import installed_telemetry

@@ -1,56 +1,57 @@
-"""Errors a client can act on, each bound to the gRPC status code it is reported with."""
+"""Errors a client can act on, each bound to the name of the gRPC status code it is reported with.
+
+The code is a name (``grpc.StatusCode[code]`` at the RPC edge), so the engine and everything below the edge raise
+these without importing grpc."""
 
 import errno
-
-import grpc
 
 
 class KilnError(Exception):
     """Base class: the message is shown to the client as is."""
 
-    code = grpc.StatusCode.INTERNAL
+    code = "INTERNAL"
 
 
 class InvalidArgument(KilnError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = "INVALID_ARGUMENT"
 
 
 class NotFound(KilnError):
-    code = grpc.StatusCode.NOT_FOUND
+    code = "NOT_FOUND"
 
 
 class AlreadyExists(KilnError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = "ALREADY_EXISTS"
 
 
 class PermissionDenied(KilnError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    code = "PERMISSION_DENIED"
 
 
 class Unauthenticated(KilnError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    code = "UNAUTHENTICATED"
 
 
 class FailedPrecondition(KilnError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = "FAILED_PRECONDITION"
 
 
 class ResourceExhausted(KilnError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = "RESOURCE_EXHAUSTED"
 
 
 class Unavailable(KilnError):
-    code = grpc.StatusCode.UNAVAILABLE
+    code = "UNAVAILABLE"
 
 
 class DataLoss(KilnError):
     """Stored bytes that are not what their manifest says: refused, never loaded."""
 
-    code = grpc.StatusCode.DATA_LOSS
+    code = "DATA_LOSS"
 
 
 class Internal(KilnError):
-    code = grpc.StatusCode.INTERNAL
+    code = "INTERNAL"
 
 
 # Client input quoted in a status message is cut to this many characters: a long name must not turn the real error

@@ -15,9 +15,10 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from exec_service.api.runtime_modes import runtime_mode_to_proto
 from exec_service.telemetry.forward_stats import stats_line
-from kiln.client_security import PLAINTEXT, ClientSecurity
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from kiln.runtime_mode import RuntimeMode
 from kiln_cli import security_args
 from kiln_cli.compile_commands import DEFAULT_STORE, model_spec
@@ -94,7 +95,7 @@ async def _bench(address: str, args, config: common_pb2.CompileConfig, client: C
     request = exec_pb2.LoadModelRequest(
         name=name, model=model_spec(args.model, args.dtype), config=config, max_num_seqs=args.max_num_seqs,
         kv_cache_bytes=args.kv_cache_bytes,
-        runtime_mode=args.runtime_mode.to_proto() if args.runtime_mode else exec_pb2.RUNTIME_MODE_UNSPECIFIED)
+        runtime_mode=runtime_mode_to_proto(args.runtime_mode))
     async with client.aio_channel(address, CHANNEL_OPTIONS) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
         async for event in stub.LoadModel(request):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import grpc
 
-from kiln.grpc_server import CHANNEL_OPTIONS, DEFAULT_SHUTDOWN_GRACE_S, leave_unfinished_workers, serve_until_signal
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS, DEFAULT_SHUTDOWN_GRACE_S, leave_unfinished_workers, serve_until_signal
 from kiln_cli import security_args
 from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
@@ -91,7 +91,7 @@ def compile_config(args) -> common_pb2.CompileConfig:
 
 def run_compile_server(args) -> int:
     from compile_service.server import DEFAULT_CACHE_DIR, start_compile_server
-    from kiln.signing import Signer, TrustedKeys
+    from kiln.store.signing import Signer, TrustedKeys
     from tracing.grpc_instrumentation import server_interceptors
     from tracing.setup import init_tracing
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 
 from exec_service.telemetry.forward_stats import stats_line
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from kiln_cli.compile_commands import DEFAULT_STORE
 from kiln_cli.output import report_rpc_error
 from kiln_cli.service_process import LocalServices, ServiceFailed

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 import grpc
 from google.protobuf import json_format
 
-from kiln.grpc_server import leave_unfinished_workers, serve_until_signal
+from exec_service.api.runtime_modes import runtime_mode_to_proto
+from kiln.rpc.grpc_server import leave_unfinished_workers, serve_until_signal
 from kiln.runtime_mode import RuntimeMode
 from kiln_cli import security_args
 from kiln_cli.compile_commands import (
@@ -119,7 +120,7 @@ def load_request_json(text: str) -> exec_pb2.LoadModelRequest:
 
 def run_exec_server(args) -> int:
     from exec_service.server import DEFAULT_CACHE_DIR, ExecServerSettings, start_exec_server
-    from kiln.signing import TrustedKeys
+    from kiln.store.signing import TrustedKeys
     from tracing.setup import init_tracing
 
     if not args.trusted_keys:
@@ -148,7 +149,7 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=_ints(args.capture_sizes), max_num_waiting=args.max_num_waiting,
-        runtime_mode=args.runtime_mode.to_proto() if args.runtime_mode else exec_pb2.RUNTIME_MODE_UNSPECIFIED)
+        runtime_mode=runtime_mode_to_proto(args.runtime_mode))
     if args.key:
         request.key.CopyFrom(common_pb2.ArtifactKey(digest=args.key))
     return request

@@ -6,7 +6,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kiln.client_security import PLAINTEXT, ClientSecurity
+from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
 from kiln_cli import security_args
 
 SERVING = "SERVING"

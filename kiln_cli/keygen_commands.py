@@ -3,8 +3,8 @@ key service runs it). Existing files are kept, so a second run changes nothing."
 
 from pathlib import Path
 
-from kiln import keygen
-from kiln.signing import generate_key_pair
+from kiln.rpc import keygen
+from kiln.store.signing import generate_key_pair
 
 
 def register(subparsers) -> None:

@@ -5,11 +5,11 @@ import argparse
 import os
 import sys
 
-from kiln.auth import TokenFileError, TokenTable
-from kiln.client_security import ClientSecurity
-from kiln.grpc_server import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, ServerSecurity
-from kiln.signing import KeyFileError
-from kiln.tls import ServerTls, TlsFileError
+from kiln.rpc.auth import TokenFileError, TokenTable
+from kiln.rpc.client_security import ClientSecurity
+from kiln.rpc.grpc_server import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, ServerSecurity
+from kiln.rpc.tls import ServerTls, TlsFileError
+from kiln.store.signing import KeyFileError
 
 # What a refused key, certificate or token file raises: the command prints it and exits 2.
 SETTING_ERRORS = (KeyFileError, TlsFileError, TokenFileError)

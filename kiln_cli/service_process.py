@@ -126,7 +126,7 @@ class LocalServices:
     """
 
     def __init__(self, workdir: Path, store: Path, env: dict | None = None):
-        from kiln.signing import generate_key_pair, local_keys_dir  # cryptography: only where servers are started
+        from kiln.store.signing import generate_key_pair, local_keys_dir  # cryptography: only where servers are started
 
         compile_port, exec_port = free_port(), free_port()
         env = env if env is not None else child_environment()

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2_grpc
 
 # The compile config every test shares, so the tiny model compiles once per session.
@@ -39,7 +39,7 @@ class BackgroundServer:
 @pytest.fixture(scope="session")
 def signing_dir(tmp_path_factory):
     """The session's bundle-signing key pair, as ``kiln keygen`` writes it: signing.key and signing.pub."""
-    from kiln.signing import generate_key_pair
+    from kiln.store.signing import generate_key_pair
 
     directory = tmp_path_factory.mktemp("signing")
     generate_key_pair(directory)
@@ -48,7 +48,7 @@ def signing_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def signer(signing_dir):
-    from kiln.signing import PRIVATE_KEY_FILE, Signer
+    from kiln.store.signing import PRIVATE_KEY_FILE, Signer
 
     return Signer.load(signing_dir / PRIVATE_KEY_FILE)
 
@@ -56,7 +56,7 @@ def signer(signing_dir):
 @pytest.fixture(scope="session")
 def trusted_keys(signing_dir):
     """What the session's exec servers trust: the session signer's public key."""
-    from kiln.signing import PUBLIC_KEY_FILE, TrustedKeys
+    from kiln.store.signing import PUBLIC_KEY_FILE, TrustedKeys
 
     return TrustedKeys.load(signing_dir / PUBLIC_KEY_FILE)
 

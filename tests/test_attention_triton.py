@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kiln import attention_reference
-from kiln.forward_context import AttentionMetadata
+from kiln.attention import reference as attention_reference
+from kiln.attention.forward_context import AttentionMetadata
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,7 +97,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check(case: Case) -> torch.Tensor:
     """Run kernels and reference on copies of one cache; outputs must agree and the caches must be equal. Returns
     the kernels' output."""
-    from kiln import attention_triton
+    from kiln.attention import triton_kernels as attention_triton
 
     if DEVICE == "cpu" and case.q.dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (numpy has no bfloat16); the GPU runs these")
@@ -168,7 +168,7 @@ def test_decode(shape, padding_rows):
 def test_decode_builds_one_kernel_for_every_batch_size():
     """CUDA-graph capture decodes at every capture size, and the split count follows the batch size: no size may
     build kernels of its own (a cold start paid ~0.5 s a build, 3.5 s of capture on the H200)."""
-    from kiln import attention_triton
+    from kiln.attention import triton_kernels as attention_triton
 
     kernels = (attention_triton._decode_split_kernel, attention_triton._decode_reduce_kernel)
 
@@ -213,7 +213,7 @@ def test_prefill(shape, step):
 def test_float32_dots_follow_torchs_matmul_precision():
     """A float32 model's attention computes in float32 (Triton's dots default to TF32, ~1e-3 off);
     set_float32_matmul_precision("high") lets the kernels use TF32, as it lets cuBLAS."""
-    from kiln import attention_triton
+    from kiln.attention import triton_kernels as attention_triton
 
     case = make_case([1500, 700, 1], [1500, 333, 1], 8, 8, 64, 32, torch.float32)
     ref = attention_reference.paged_attention(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, case.scale)
@@ -237,7 +237,7 @@ def test_prefill_with_padding_rows(dtype):
 
 
 def test_write_kv_skips_padding_slots():
-    from kiln import attention_triton
+    from kiln.attention import triton_kernels as attention_triton
 
     case = make_case([40, 9, 70], [40, 9, 3], 8, 2, 64, 16, torch.bfloat16, padding_rows=4)
     slots = case.meta.slot_mapping
@@ -257,7 +257,7 @@ def test_write_kv_skips_padding_slots():
 @pytest.mark.parametrize("window", [0, 300])
 def test_decode_cuda_graph_replay(window):
     """Capture one decode step, then replay it with new lengths, block tables, slots and fewer real sequences."""
-    from kiln import attention_triton
+    from kiln.attention import triton_kernels as attention_triton
 
     batch, num_heads, num_kv_heads, head_dim, block_size, dtype = 8, 32, 8, 128, 16, torch.bfloat16
     max_context = 4000
@@ -307,8 +307,8 @@ def test_decode_cuda_graph_replay(window):
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (64, 0.0), (64, 20.0)])
 def test_attention_op_runs_the_triton_kernels(window, softcap):
     """``kiln::attention`` on CUDA inside a forward context reaches these kernels (reference-equal output)."""
-    from kiln.attention import attention
-    from kiln.forward_context import ForwardContext, forward_context
+    from kiln.attention.forward_context import ForwardContext, forward_context
+    from kiln.attention.op import attention
 
     case = make_case([700, 90], [100, 1], 16, 4, 128, 16, torch.bfloat16, window=window, softcap=softcap)
     ref_cache = case.kv_cache.clone()

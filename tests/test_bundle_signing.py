@@ -15,9 +15,9 @@ from conftest import TINY_CONFIG, TINY_MODEL, BackgroundServer, load_model
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kiln import bundle
-from kiln.grpc_server import CHANNEL_OPTIONS
-from kiln.signing import Signer, TrustedKeys, key_id
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.store import bundle
+from kiln.store.signing import Signer, TrustedKeys, key_id
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
 
@@ -182,6 +182,6 @@ def test_the_compile_service_recompiles_over_an_unsigned_bundle(compile_stub, co
 
 
 def _pem(signer: Signer) -> bytes:
-    from kiln.signing import public_pem
+    from kiln.store.signing import public_pem
 
     return public_pem(signer.public_key)

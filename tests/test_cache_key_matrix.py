@@ -24,12 +24,13 @@ import pytest
 from conftest import ANOTHER_TORCH, TINY_CONFIG, TINY_MODEL
 
 from exec_service.startup.fetch import FetchedBundle, check_factors
-from kiln import bundle, cache_key, compiler_caches
-from kiln.compile_config import CompileConfig
+from kiln.compilation import cache_key, compiler_caches
+from kiln.compilation.config import CompileConfig
 from kiln.errors import FailedPrecondition
-from kiln.model import transformers_model
-from kiln.model_factors import model_config_factors
-from kiln.model_spec import resolve
+from kiln.model.causal_lm import transformers_model
+from kiln.model.factors import model_config_factors
+from kiln.model.spec import resolve
+from kiln.store import bundle
 from kiln_cli.service_process import ServiceProcess, free_port
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2
 
@@ -179,11 +180,11 @@ def test_new_key(compile_stub, tiny_key, row):
 
 def test_kiln_code_hash_follows_statements_not_comments(tmp_path):
     """Every Kiln module the compile reaches is hashed by its syntax tree: the backend too, not three files."""
-    from kiln.code_hash import code_modules, kiln_code_hash
+    from kiln.compilation.code_hash import code_modules, kiln_code_hash
 
-    assert {"compile_service.pipeline", "compile_service.piecewise_backend", "kiln.model", "kiln.attention",
-            "kiln.piecewise"} <= set(code_modules())
-    assert not {"kiln.artifact_store", "tracing.spans", "kiln.cache_key"} & set(code_modules())
+    assert {"compile_service.pipeline", "compile_service.piecewise_backend", "kiln.model.causal_lm",
+            "kiln.attention.op", "kiln.compilation.piecewise"} <= set(code_modules())
+    assert not {"kiln.store.artifact_store", "tracing.spans", "kiln.compilation.cache_key"} & set(code_modules())
     tree = copy_sources(tmp_path / "comment", edit_comment)
     assert kiln_code_hash(tree) == kiln_code_hash()
     tree = copy_sources(tmp_path / "statement", edit_statement)

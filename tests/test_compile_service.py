@@ -13,9 +13,9 @@ from conftest import TINY_CONFIG, TINY_MODEL, compile_result
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from kiln import bundle
-from kiln.counters import compile_counts
-from kiln.model_spec import resolve
+from kiln.compilation.counters import compile_counts
+from kiln.model.spec import resolve
+from kiln.store import bundle
 from protos import common_pb2, compile_pb2
 
 
@@ -36,14 +36,14 @@ def test_split_gives_a_piece_pair_per_kind_of_layer(tiny_compiles):
 
 
 def test_a_layer_runs_one_gemm_per_projection_group():
-    """q/k/v and gate/up hold one weight each (kiln.merged_projections); in the graph Dynamo traces for a layer,
+    """q/k/v and gate/up hold one weight each (kiln.model.merged_projections); in the graph Dynamo traces for a layer,
     each group's slices are one product after the compile service's pass: 7 linear calls become 4."""
     import torch
 
     from compile_service.pipeline import _layer_examples
-    from kiln.compile_config import CompileConfig
-    from kiln.merged_projections import merge_identical_linears
-    from kiln.model import build_model
+    from kiln.compilation.config import CompileConfig
+    from kiln.model.causal_lm import build_model
+    from kiln.model.merged_projections import merge_identical_linears
 
     resolved = resolve(TINY_MODEL, "cpu")
     module = build_model(resolved, "cpu")
@@ -122,11 +122,11 @@ def test_full_graph_when_splitting_ops_empty(compile_stub):
 FRESH_PROCESS_LOAD = textwrap.dedent("""
     import json, sys, torch
     from pathlib import Path
-    from kiln.bundle import load_compiled
-    from kiln.counters import compile_counts
-    from kiln.model import build_model
-    from kiln.model_spec import resolve
-    from kiln.signing import TrustedKeys
+    from kiln.store.bundle import load_compiled
+    from kiln.compilation.counters import compile_counts
+    from kiln.model.causal_lm import build_model
+    from kiln.model.spec import resolve
+    from kiln.store.signing import TrustedKeys
     from protos import common_pb2
     model = build_model(resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu"), "cpu", seed=7)
     before = compile_counts()

@@ -16,9 +16,9 @@ import pytest
 from conftest import TINY_CONFIG, TINY_MODEL
 from redis_server import RedisServer
 
-from kiln.client_security import ClientSecurity
-from kiln.grpc_server import CHANNEL_OPTIONS
-from kiln.tls import ClientTls
+from kiln.rpc.client_security import ClientSecurity
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.tls import ClientTls
 from kiln_cli.service_process import ServiceProcess, free_port
 from protos import exec_pb2, exec_pb2_grpc
 

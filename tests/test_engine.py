@@ -20,7 +20,7 @@ from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.startup import kv_sizing
 from kiln.errors import Internal
-from kiln.model_spec import resolve
+from kiln.model.spec import resolve
 from kiln.runtime_mode import RuntimeMode
 from protos import exec_pb2
 

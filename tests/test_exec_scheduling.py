@@ -8,7 +8,7 @@ from exec_service.engine.sampler import SamplingTensors, sample, unit_interval
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from exec_service.engine.step_inputs import StepBuffers
-from kiln import attention_reference
+from kiln.attention import reference as attention_reference
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0)
 

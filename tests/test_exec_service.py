@@ -16,10 +16,10 @@ from conftest import ANOTHER_TORCH, TINY_MODEL, BackgroundServer, load_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from exec_service.server import ExecServerSettings, start_exec_server
-from kiln import bundle
-from kiln.artifact_store import FilesystemStore
-from kiln.counters import compile_counts
-from kiln.model_spec import resolve
+from kiln.compilation.counters import compile_counts
+from kiln.model.spec import resolve
+from kiln.store import bundle
+from kiln.store.artifact_store import FilesystemStore
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
 PHASES = ["fetch", "load_weights", "profile_memory", "load_compiled", "capture_cudagraphs", "ready"]
@@ -29,7 +29,7 @@ PROMPT_LENGTHS = [1, 5, 16, 17, 40, 150]
 
 def hf_model(seed: int = 0):
     """transformers' own model with the weights build_model gives for ``seed``, on its SDPA attention."""
-    from kiln.model import transformers_model
+    from kiln.model.causal_lm import transformers_model
 
     model = transformers_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=seed)
     model.config._attn_implementation = "sdpa"
@@ -45,7 +45,7 @@ def test_kiln_model_stays_transformers_own_outside_a_kiln_forward(hf_tiny):
     """Kiln routes each decoder layer to its compiled code only inside its own forward: transformers' generate on
     the same modules (its cache, its masks) gives transformers' tokens, as the reference runs of the GPU tests and
     the benches use it."""
-    from kiln.model import build_model
+    from kiln.model.causal_lm import build_model
 
     causal_lm = build_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=0).causal_lm
     causal_lm.config._attn_implementation = "sdpa"
@@ -458,7 +458,7 @@ def test_loads_beside_generates_of_another_model_disturb_none(exec_stub, tiny_lo
     """LoadModel after LoadModel (each unpickling a bundle) while four clients generate on another model: every
     Generate completes with transformers' tokens. Unpickling the split graph as an FX GraphModule re-traced it with
     nn.Module.__call__ patched process-wide, and the other model's steps failed INTERNAL ("module is not installed
-    as a submodule"); kiln.piecewise.SplitForward traces nothing."""
+    as a submodule"); kiln.compilation.piecewise.SplitForward traces nothing."""
     prompts = [prompt_of(n, salt) for salt, n in enumerate([5, 40, 150])]
     expected = [hf_greedy(hf_tiny, p, 16) for p in prompts]
     loading = threading.Event()

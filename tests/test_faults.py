@@ -24,8 +24,8 @@ from opentelemetry import propagate
 from test_exec_service import generate, hf_model, model_info, prompt_of, wait_until
 
 from exec_service.server import ExecServerSettings, start_exec_server
-from kiln import bundle
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.store import bundle
 from kiln_cli.service_process import ServiceProcess, free_port, kiln_command
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 from tracing import spans

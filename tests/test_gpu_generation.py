@@ -14,9 +14,9 @@ from greedy_judge import assert_each_token_near_the_best
 from test_engine import model_info, streams_together_then_alone, wait_until
 
 from exec_service.engine.sampler import counter_uniform
-from kiln.grpc_server import CHANNEL_OPTIONS
-from kiln.model import transformers_model
-from kiln.model_spec import resolve
+from kiln.model.causal_lm import transformers_model
+from kiln.model.spec import resolve
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

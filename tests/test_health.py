@@ -6,7 +6,7 @@ import sys
 import pytest
 from conftest import BackgroundServer
 
-from kiln.grpc_server import Server
+from kiln.rpc.grpc_server import Server
 from kiln_cli.service_process import free_port
 
 READY = "kiln.v1.Ready"

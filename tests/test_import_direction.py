@@ -2,6 +2,8 @@
 bottom. Read from the source with ast (every import, module level or inside a function), so it stays true."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,28 @@ def test_the_engine_core_knows_no_wire_types():
     wired = sorted(str(p.relative_to(ROOT)) for p in core.rglob("*.py")
                    if {"protos", "grpc", "google"} & top_level_imports(p))
     assert not wired, f"the engine core imports wire types: {wired}"
+
+
+_WIRE_GUARD = """
+import importlib, pkgutil, sys, traceback
+
+class WireGuard:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("protos", "grpc") or name.startswith("google.protobuf"):
+            sys.exit("loaded " + name + " through:\\n" + "".join(traceback.format_stack(limit=12)))
+
+sys.meta_path.insert(0, WireGuard())
+import exec_service.engine as engine
+for module in pkgutil.iter_modules(engine.__path__):
+    importlib.import_module("exec_service.engine." + module.name)
+"""
+
+
+def test_importing_the_engine_loads_no_wire_module():
+    """Transitively, not just its own imports: every engine module imported in a fresh interpreter, with any
+    import of protos, grpc or google.protobuf (at any depth: kiln/, tracing/, a library) failing the run."""
+    done = subprocess.run([sys.executable, "-c", _WIRE_GUARD], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_the_check_sees_imports():

@@ -14,8 +14,8 @@ import pytest
 from conftest import TINY_CONFIG, TINY_MODEL, compile_result
 from torch._inductor import config as inductor_config
 
-from kiln import inductor_options
-from kiln.compile_config import CompileConfig
+from kiln.compilation import inductor_options
+from kiln.compilation.config import CompileConfig
 from protos import common_pb2
 
 _SIMPLE = (bool, int, float, type(None))
@@ -46,7 +46,7 @@ def test_every_option_that_takes_a_string_or_a_callable_is_allowed_or_refused_on
         if takes_string_or_callable(entry) and name not in inductor_options.ALLOWED
         and inductor_options.refusal_reason(name) is None)
     assert not unclassified, (f"new Inductor options that take a string or a callable: add each to ALLOWED or "
-                              f"REFUSED in kiln/inductor_options.py, with a reason: {unclassified}")
+                              f"REFUSED in kiln/compilation/inductor_options.py, with a reason: {unclassified}")
 
 
 def test_the_walk_sees_what_it_must():

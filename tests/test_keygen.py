@@ -4,8 +4,8 @@ import stat
 
 import pytest
 
-from kiln.auth import TokenFileError, TokenTable
-from kiln.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, Signer, TrustedKeys
+from kiln.rpc.auth import TokenFileError, TokenTable
+from kiln.store.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, Signer, TrustedKeys
 from kiln_cli import main
 
 

@@ -24,7 +24,7 @@ from test_model_families import FAMILY_CONFIGS, TINY, _expected_layers, referenc
 from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import SamplingParams, Sequence
-from kiln.attention_windows import kv_window, layer_windows
+from kiln.attention.windows import kv_window, layer_windows
 from protos import common_pb2, exec_pb2
 
 WINDOW = 20  # not a multiple of the block size: the window's first block is partly read
@@ -123,8 +123,8 @@ def test_kv_window_is_the_widest_window_when_every_layer_has_one(model_type):
     derives it independently); one global layer makes the KV window 0."""
     import json
 
-    from kiln.model import build_model
-    from kiln.model_spec import resolve
+    from kiln.model.causal_lm import build_model
+    from kiln.model.spec import resolve
 
     raw = dict(TINY, **FAMILY_CONFIGS[model_type])
     module = build_model(resolve(common_pb2.ModelSpec(config_json=json.dumps(raw)), "cpu"), "cpu")
@@ -140,7 +140,7 @@ def test_a_window_no_sequence_outgrows_frees_nothing():
 
     from exec_service.engine.engine_config import EngineConfig
     from exec_service.engine.model_runner import ModelRunner
-    from kiln.model_spec import resolve
+    from kiln.model.spec import resolve
     from kiln.runtime_mode import RuntimeMode
 
     resolved = resolve(common_pb2.ModelSpec(config_json=json.dumps(MISTRAL)), "cpu")

@@ -84,7 +84,7 @@ MAX_TOKENS = 24
 
 
 def test_every_supported_family_is_tested_here():
-    from kiln.model_features import FAMILIES
+    from kiln.model.features import FAMILIES
 
     assert set(FAMILY_CONFIGS) == set(FAMILIES)
 
@@ -159,8 +159,8 @@ def test_logits_match_transformers_forward(family_dirs, model_type):
     """Kiln's module (no engine: one causal sequence) against the family's ForCausalLM: the logits themselves, so
     what its head does after lm_head (Gemma's final cap, Granite's and Cohere's scales) is checked, which greedy
     tokens alone cannot see."""
-    from kiln.model import build_model
-    from kiln.model_spec import resolve
+    from kiln.model.causal_lm import build_model
+    from kiln.model.spec import resolve
 
     path = family_dirs(model_type)
     module = build_model(resolve(common_pb2.ModelSpec(hf_dir=str(path)), "cpu"), "cpu", weights=str(path))
@@ -189,8 +189,8 @@ def _expected_layers(config) -> list[tuple[int, float]]:
 def test_dynamo_traces_one_graph_with_each_layers_window(model_type):
     """Dynamo (no Inductor) traces every family whole, token dimension symbolic, as the compile service does; each
     layer's attention call carries that layer's window and cap as constants, local and global layers apart."""
-    from kiln.model import build_model
-    from kiln.model_spec import resolve
+    from kiln.model.causal_lm import build_model
+    from kiln.model.spec import resolve
 
     raw = dict(TINY, **FAMILY_CONFIGS[model_type])
     module = build_model(resolve(common_pb2.ModelSpec(config_json=json.dumps(raw)), "cpu"), "cpu")
@@ -219,8 +219,8 @@ def test_dummy_weights_are_transformers_initialisation(model_type):
     against ``from_config``'s (built on the device, initialised twice): the same tensors, the same ties, every buffer
     (rotary frequencies, embedding scales) and every constant parameter (norms, biases) equal, every random one drawn
     from the same distribution; and reproducible from its seed."""
-    from kiln.model import transformers_model
-    from kiln.model_spec import resolve
+    from kiln.model.causal_lm import transformers_model
+    from kiln.model.spec import resolve
 
     raw = dict(TINY, **FAMILY_CONFIGS[model_type])
     resolved = resolve(common_pb2.ModelSpec(config_json=json.dumps(raw)), "cpu")

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from conftest import TINY_CONFIG, compile_result
 
-from kiln import model_features
 from kiln.errors import InvalidArgument
-from kiln.model_spec import resolve
+from kiln.model import features as model_features
+from kiln.model.spec import resolve
 from protos import common_pb2, exec_pb2
 
 # config.<name> and getattr(config, "<name>") reads in transformers' modeling code.
@@ -50,7 +50,7 @@ def test_every_field_that_reaches_the_forward_is_honoured_refused_or_neutral(mod
     family = model_features.FAMILIES[model_type]
     unclassified = sorted((fields | reads) - family.classified())
     assert not unclassified, f"{model_type}: classify each as honoured, conditional (refused for some values) or " \
-                             f"neutral in kiln/model_features.py: {unclassified}"
+                             f"neutral in kiln/model/features.py: {unclassified}"
 
 
 @pytest.mark.parametrize("model_type", sorted(model_features.FAMILIES))

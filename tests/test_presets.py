@@ -4,8 +4,8 @@ parameter count its hub page publishes, and carries the features that set it apa
 import pytest
 import torch
 
-from kiln.model_spec import resolve
-from kiln.presets import PRESETS
+from kiln.model.presets import PRESETS
+from kiln.model.spec import resolve
 from protos import common_pb2
 
 # Parameter counts as published for each checkpoint (embeddings included, tied ones once).

@@ -18,9 +18,10 @@ from conftest import TINY_CONFIG, TINY_MODEL, BackgroundServer, otel_env
 from google.protobuf import json_format
 from redis_server import RedisServer
 
-from kiln import bundle, cache_key
-from kiln.grpc_server import CHANNEL_OPTIONS
-from kiln.redis_store import RedisStore
+from kiln.compilation import cache_key
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.store import bundle
+from kiln.store.redis_store import RedisStore
 from kiln_cli.service_process import ServiceProcess, free_port, kiln_command
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 from tracing import spans
@@ -32,7 +33,7 @@ TAKEOVER_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[4, 8], m
 
 class Cluster:
     def __init__(self, root: Path, otlp_endpoint: str, signing_dir: Path):
-        from kiln.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, TrustedKeys
+        from kiln.store.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, TrustedKeys
 
         self.root = root
         self.signing_key = signing_dir / PRIVATE_KEY_FILE
@@ -218,7 +219,7 @@ def plant(cluster, source_key: str, key: str | None, signing_key: Path, padding_
     """Commit to Redis, under ``key``, the bundle of ``source_key`` (plus listed padding), signed with
     ``signing_key``: what any writer of the store could put there. With no ``key``, the factors say which padding
     the bundle carries and the key is their digest, as a compile service's would be."""
-    from kiln.signing import Signer
+    from kiln.store.signing import Signer
 
     source = RedisStore(cluster.url, cluster.root / f"source-{source_key[:8]}", read_only=True).get(source_key)
     manifest = json.loads((source / bundle.MANIFEST).read_text())
@@ -244,7 +245,7 @@ def plant(cluster, source_key: str, key: str | None, signing_key: Path, padding_
 
 def test_a_bundle_in_redis_signed_by_an_untrusted_key_is_refused_and_never_loaded(cluster, first_loads, tmp_path):
     """Whoever can write Redis can write a consistent bundle (every sha256 right), but cannot sign it."""
-    from kiln.signing import PRIVATE_KEY_FILE, generate_key_pair
+    from kiln.store.signing import PRIVATE_KEY_FILE, generate_key_pair
 
     generate_key_pair(tmp_path / "attacker")
     forged = hashlib.sha256(b"a bundle an attacker planted").hexdigest()

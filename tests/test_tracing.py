@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from exec_service.telemetry.batch_size_log import BatchSizeLog, log_batchsize_interval
 from exec_service.telemetry.forward_stats import ForwardStats, stats_line
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from kiln.step_record import StepRecord
 from protos import compile_pb2, compile_pb2_grpc
 from tracing import spans

@@ -18,7 +18,7 @@ from opentelemetry.trace import NoOpTracer, StatusCode
 from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.telemetry.request_spans import RequestSpans
 from kiln.errors import Internal
-from kiln.grpc_server import CHANNEL_OPTIONS
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from kiln_cli.service_process import LocalServices
 from protos import exec_pb2, exec_pb2_grpc
 from tracing import spans

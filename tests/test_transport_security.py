@@ -14,11 +14,11 @@ from conftest import TINY_CONFIG, TINY_MODEL, BackgroundServer, compile_result, 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from kiln import keygen
-from kiln.auth import TokenTable
-from kiln.client_security import ClientSecurity
-from kiln.grpc_server import CHANNEL_OPTIONS, Server, ServerSecurity
-from kiln.tls import ClientTls, ServerTls
+from kiln.rpc import keygen
+from kiln.rpc.auth import TokenTable
+from kiln.rpc.client_security import ClientSecurity
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS, Server, ServerSecurity
+from kiln.rpc.tls import ClientTls, ServerTls
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
 
@@ -301,7 +301,7 @@ def test_weights_outside_the_roots_are_denied_by_the_execute_service(tmp_path, t
 
 def test_off_loopback_without_roots_no_client_path_is_read(tmp_path):
     from kiln.errors import PermissionDenied
-    from kiln.model_roots import ModelRoots
+    from kiln.model.roots import ModelRoots
 
     (tmp_path / "model").mkdir()
     assert ModelRoots.for_server([], loopback=True).check_dir(str(tmp_path / "model"), "model.hf_dir")

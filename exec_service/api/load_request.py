@@ -2,12 +2,13 @@
 
 import re
 
+from exec_service.api.runtime_modes import runtime_mode_from_proto
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.startup.load_model import LoadTarget
-from kiln.compile_config import CompileConfig
+from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument
-from kiln.model_roots import ModelRoots
-from kiln.model_spec import ResolvedModel, resolve
+from kiln.model.roots import ModelRoots
+from kiln.model.spec import ResolvedModel, resolve
 from kiln.runtime_mode import RuntimeMode
 from protos import exec_pb2
 
@@ -35,7 +36,7 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
 
 
 def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, device: str) -> EngineConfig:
-    mode = RuntimeMode.from_proto(request.runtime_mode, device)
+    mode = runtime_mode_from_proto(request.runtime_mode, device)
     if mode == RuntimeMode.CUDAGRAPH and device != "cuda":
         raise InvalidArgument("runtime_mode: cudagraph needs CUDA; this model runs on cpu")
     positions = getattr(resolved.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)

@@ -20,8 +20,8 @@ from exec_service.startup.fetch import BundleFetcher
 from exec_service.startup.load_model import LoadTarget, StartedModel, start_model
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
 from kiln.errors import AlreadyExists, FailedPrecondition, KilnError, NotFound, Unavailable, first_line, quote
-from kiln.grpc_server import ProgressEvents, Server, in_worker_thread, status_errors
-from kiln.model_roots import ModelRoots
+from kiln.model.roots import ModelRoots
+from kiln.rpc.grpc_server import ProgressEvents, Server, in_worker_thread, status_errors
 from protos import exec_pb2, exec_pb2_grpc
 
 log = logging.getLogger(__name__)

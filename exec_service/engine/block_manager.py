@@ -1,6 +1,6 @@
 """Paged KV blocks: which cache blocks each sequence owns, handed out and taken back as sequences grow and end.
 
-With a KV window (every layer of the model has a sliding window; kiln.attention_windows), a block whose tokens are
+With a KV window (every layer of the model has a sliding window; kiln.attention.windows), a block whose tokens are
 all older than the window of a sequence's next query is never read again: it goes back to the pool while the
 sequence runs, and its entry in the block table points at the null block instead (vLLM's SlidingWindowManager).
 The null block is the cache's last block, owned by no sequence and never written; the kernels never read a position

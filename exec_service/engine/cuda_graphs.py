@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from exec_service.engine.step_inputs import StepBuffers
-from kiln.forward_context import ForwardContext, forward_context
+from kiln.attention.forward_context import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 

@@ -20,15 +20,15 @@ from exec_service.engine.sampler import sample
 from exec_service.engine.scheduler import ScheduledBatch
 from exec_service.engine.sequence import Sequence
 from exec_service.engine.step_inputs import StepBuffers
-from kiln import bundle
-from kiln.attention_windows import kv_window, layer_windows
-from kiln.counters import expect_no_compile
+from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from kiln.attention.windows import kv_window, layer_windows
+from kiln.compilation.counters import expect_no_compile
 from kiln.errors import FailedPrecondition, first_line
-from kiln.forward_context import AttentionMetadata, ForwardContext, forward_context
-from kiln.model import TokenModel, build_model, weights_bytes
-from kiln.model_spec import ResolvedModel
+from kiln.model.causal_lm import TokenModel, build_model, weights_bytes
+from kiln.model.spec import ResolvedModel
 from kiln.runtime_mode import RuntimeMode
-from kiln.signing import TrustedKeys
+from kiln.store import bundle
+from kiln.store.signing import TrustedKeys
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ModelRunner:
         self.device = config.device
         self.token_model: TokenModel | None = None
         self.weights_bytes = 0
-        self.kv_window = 0  # kiln.attention_windows.kv_window of the model, known once its weights are loaded
+        self.kv_window = 0  # kiln.attention.windows.kv_window of the model, known once its weights are loaded
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0  # blocks sequences may hold (with a KV window, the cache has one more: the null block)
         self.compiled = None

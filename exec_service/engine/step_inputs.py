@@ -17,7 +17,7 @@ import torch
 from exec_service.engine.sampler import SamplingTensors
 from exec_service.engine.scheduler import ScheduledBatch
 from exec_service.engine.sequence import Sequence
-from kiln.forward_context import AttentionMetadata
+from kiln.attention.forward_context import AttentionMetadata
 
 
 @dataclass

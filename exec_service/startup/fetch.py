@@ -25,16 +25,17 @@ from pathlib import Path
 
 import grpc
 
-from kiln import bundle, cache_key
-from kiln.artifact_store import ArtifactStore, check_key
-from kiln.bundle import CorruptBundle, UntrustedBundle
-from kiln.code_hash import kiln_code_hash
-from kiln.compile_config import CompileConfig
+from kiln.compilation import cache_key
+from kiln.compilation.code_hash import kiln_code_hash
+from kiln.compilation.config import CompileConfig
 from kiln.errors import DataLoss, FailedPrecondition, Internal, KilnError, NotFound, Unavailable, resource_error
-from kiln.grpc_server import CHANNEL_OPTIONS
-from kiln.model_factors import model_config_factors
-from kiln.model_spec import ResolvedModel
-from kiln.signing import TrustedKeys
+from kiln.model.factors import model_config_factors
+from kiln.model.spec import ResolvedModel
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.store import bundle
+from kiln.store.artifact_store import ArtifactStore, check_key
+from kiln.store.bundle import CorruptBundle, UntrustedBundle
+from kiln.store.signing import TrustedKeys
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 from tracing import spans
 
@@ -70,7 +71,7 @@ class CompileServiceError(KilnError):
 
     def __init__(self, exc: grpc.RpcError):
         super().__init__(f"compile service: {exc.details()}")
-        self.code = exc.code()
+        self.code = exc.code().name
 
 
 def _failed_call(exc: grpc.RpcError) -> KilnError:

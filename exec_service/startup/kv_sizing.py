@@ -12,8 +12,8 @@ import torch
 
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.kv_cache import KVCacheSpec
-from kiln.device_memory import available_bytes
 from kiln.errors import ResourceExhausted
+from kiln.model.device_memory import available_bytes
 from kiln.runtime_mode import RuntimeMode
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from exec_service.engine.model_runner import ModelRunner
 from exec_service.startup import kv_sizing
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle, StepFn
 from exec_service.startup.memory_profile import profile_memory
-from kiln.compile_config import CompileConfig
+from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument, KilnError, quote, resource_error
-from kiln.model_spec import ResolvedModel
+from kiln.model.spec import ResolvedModel
 from kiln.runtime_mode import RuntimeMode
 from protos import common_pb2
 from tracing import spans
@@ -168,7 +168,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
 
     # One model at a time from here to the engine, per process: the memory profile measures the device's peak,
     # which a concurrent load would inflate. Fetches (a compile on the compile service, a download) still overlap,
-    # and so do other models' steps: loading a bundle traces nothing (kiln.piecewise.SplitForward).
+    # and so do other models' steps: loading a bundle traces nothing (kiln.compilation.piecewise.SplitForward).
     with _DEVICE_PHASES:
         with phases.phase(spans.LOAD_WEIGHTS) as (event, span):
             with phases.step(spans.BUILD_MODEL):

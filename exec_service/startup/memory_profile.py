@@ -12,8 +12,8 @@ import torch
 
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.sampler import SamplingTensors, sample
-from kiln.counters import expect_no_compile
-from kiln.model import TokenModel
+from kiln.compilation.counters import expect_no_compile
+from kiln.model.causal_lm import TokenModel
 
 log = logging.getLogger(__name__)
 

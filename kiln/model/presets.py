@@ -2,7 +2,7 @@
 
 Each is the published config.json's architecture fields (its hub name in the comment); where it was saved from and
 what dtype it was saved in are left out. Served with dummy weights, or with a checkpoint's safetensors via
-``--weights``. kiln.model_features honours or refuses each like any other config (tests/test_presets.py).
+``--weights``. kiln.model.features honours or refuses each like any other config (tests/test_presets.py).
 """
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -11,28 +11,29 @@ import functools
 import hashlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the directory holding the kiln and compile_service packages
+ROOT = Path(__file__).resolve().parents[2]  # the directory holding the kiln and compile_service packages
 KILN_PACKAGES = ("kiln", "compile_service", "tracing", "protos")
 ENTRY = "compile_service.pipeline"  # compile_model: key, trace, split, Inductor, save
 
 # Reached from the compile but unable to change the generated code, and why.
 NOT_CODE_MODULES = {
     "kiln.errors": "status codes of failures",
-    "kiln.artifact_store": "where bundles are stored",
-    "kiln.bundle": "how bundles are written and moved",
-    "kiln.cache_key": "computes the key over the factors",
-    "kiln.code_hash": "computes this factor",
-    "kiln.compiler_caches": "where Inductor's and Triton's caches live",
-    "kiln.inductor_options": "which Inductor options a client may set (their values are factors of their own)",
-    "kiln.model_roots": "which directories a model may be read from",
-    "kiln.signing": "signs and verifies bundles",
-    "kiln.checkpoint": "checks a checkpoint's tensors against the model",
-    "kiln.device_memory": "whether the weights fit the device",
-    "kiln.model_features": "which configs are refused; a served config's fields are factors of their own",
-    "kiln.presets": "preset configs, whose fields are factors of their own",
-    "kiln.attention_reference": "the attention kernel that runs between compiled pieces, never traced",
-    "kiln.attention_triton": "the attention kernel that runs between compiled pieces, never traced",
-    "kiln.forward_context": "the runtime metadata of the attention op, never traced",
+    "kiln.store.artifact_store": "where bundles are stored",
+    "kiln.store.bundle": "how bundles are written and moved",
+    "kiln.compilation.cache_key": "computes the key over the factors",
+    "kiln.compilation.code_hash": "computes this factor",
+    "kiln.compilation.compiler_caches": "where Inductor's and Triton's caches live",
+    "kiln.compilation.inductor_options": "which Inductor options a client may set (their values are factors of "
+                                         "their own)",
+    "kiln.model.roots": "which directories a model may be read from",
+    "kiln.store.signing": "signs and verifies bundles",
+    "kiln.model.checkpoint": "checks a checkpoint's tensors against the model",
+    "kiln.model.device_memory": "whether the weights fit the device",
+    "kiln.model.features": "which configs are refused; a served config's fields are factors of their own",
+    "kiln.model.presets": "preset configs, whose fields are factors of their own",
+    "kiln.attention.reference": "the attention kernel that runs between compiled pieces, never traced",
+    "kiln.attention.triton_kernels": "the attention kernel that runs between compiled pieces, never traced",
+    "kiln.attention.forward_context": "the runtime metadata of the attention op, never traced",
     "tracing": "spans and metrics",
     "protos": "the wire format",
 }

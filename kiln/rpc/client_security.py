@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 
-from kiln.auth import HEADER, SCHEME
-from kiln.tls import ClientTls, TlsFileError
+from kiln.rpc.auth import HEADER, SCHEME
+from kiln.rpc.tls import ClientTls, TlsFileError
 
 
 @dataclass(frozen=True)

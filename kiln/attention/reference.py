@@ -8,7 +8,7 @@ tokens before it, as transformers' sliding-window mask does) and its own soft-ca
 import torch
 import torch.nn.functional as F
 
-from kiln.forward_context import AttentionMetadata
+from kiln.attention.forward_context import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

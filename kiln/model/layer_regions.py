@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.attention import LAYER_NEUTRAL_KWARGS, asked_of
+from kiln.attention.op import LAYER_NEUTRAL_KWARGS, asked_of
 from kiln.errors import FailedPrecondition
 
 LayerCode = Callable[..., torch.Tensor]  # (LayerStep, hidden, cos, sin, layer index) -> hidden

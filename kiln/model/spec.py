@@ -3,16 +3,19 @@
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from kiln import model_features
 from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.json_object import parse_json_object
-from kiln.model_roots import ModelRoots
-from kiln.presets import PRESETS
-from protos import common_pb2
+from kiln.model import features as model_features
+from kiln.model.presets import PRESETS
+from kiln.model.roots import ModelRoots
+
+if TYPE_CHECKING:  # the wire type is read field by field; the engine below the API edge loads no protobuf
+    from protos import common_pb2
 
 # A model config is a few KB; past this it is refused before it is parsed (a Compile whose config carried tens of MB
 # of junk once took the compile service past 15 GB of memory while it parsed, copied and hashed it).
@@ -44,7 +47,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve(spec: common_pb2.ModelSpec, device: str, roots: ModelRoots | None = None) -> ResolvedModel:
+def resolve(spec: "common_pb2.ModelSpec", device: str, roots: ModelRoots | None = None) -> ResolvedModel:
     """Turn a wire ModelSpec into an HF config and dtype, or raise a status the client can act on. A directory is
     read only under ``roots``; the servers always pass theirs, and None (a caller in this process, not a client)
     reads any directory."""

@@ -1,4 +1,4 @@
-"""What ``kiln keygen`` writes besides the bundle-signing key pair (kiln.signing), on request: a private CA with a
+"""What ``kiln keygen`` writes besides the bundle-signing key pair (kiln.store.signing), on request: a private CA with a
 server and a client certificate for TLS, and a token file with an admin and a user token.
 
 Compose runs it once as a one-shot service; the tests and ``kiln demo`` call it for their own temporary material.
@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from kiln.signing import write_private
+from kiln.store.signing import write_private
 
 CA_CERT = "ca.pem"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import DataLoss, FailedPrecondition
-from kiln.signing import Signature, Signer, TrustedKeys, UntrustedSignature
+from kiln.store.signing import Signature, Signer, TrustedKeys, UntrustedSignature
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
@@ -30,7 +30,7 @@ _READ_BYTES = 1 << 20
 
 
 def compiled_layer_file(kind: int) -> str:
-    """The file holding the aot-compiled code of one kind of decoder layer (``kiln.layer_regions``)."""
+    """The file holding the aot-compiled code of one kind of decoder layer (``kiln.model.layer_regions``)."""
     return f"compiled_layer{kind}.bin"
 
 
@@ -268,7 +268,7 @@ def preload_runtime() -> None:
     """
     import importlib
 
-    import kiln.attention  # noqa: F401
+    import kiln.attention.op  # noqa: F401
     for module in ("torch._dynamo.aot_compile", "torch._inductor.standalone_compile", "torch._inductor.codecache",
                    "torch._inductor.output_code", "torch._functorch._aot_autograd.aot_autograd_result",
                    # What each piece's Inductor output code imports at its top: ~2 s on first import (the
@@ -291,7 +291,9 @@ def load_compiled(bundle_dir: Path, key: str, trusted: TrustedKeys):
     """
     import torch
 
-    from kiln.layer_regions import CompiledLayers  # and kiln::attention, which the split graph calls between pieces
+    from kiln.model.layer_regions import (
+        CompiledLayers,  # and kiln::attention, which the split graph calls between pieces
+    )
 
     manifest, signer = check_signed(_read_text(bundle_dir / MANIFEST), _read_signature(bundle_dir, key), key, trusted)
     if LAYER_KINDS not in manifest.files:

@@ -130,7 +130,7 @@ _WINDOWED = {"sliding_window": _sliding_window, "layer_types": _layer_types}
 # Qwen's switch and the first local layer: honoured through the layer types they set.
 _QWEN_WINDOWS = frozenset({"use_sliding_window", "max_window_layers"})
 # Gemma: the MLP's activation, the attention scale (query_pre_attn_scalar ** -0.5), the final logits' cap (applied by
-# kiln.model.FINAL_LOGITS).
+# kiln.model.causal_lm.FINAL_LOGITS).
 _GEMMA = frozenset({"attention_bias", "hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping"})
 _DROPOUTS = frozenset({"resid_pdrop", "embd_pdrop", "residual_dropout", "embedding_dropout"})  # off in eval
 
@@ -153,7 +153,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
            conditional={"sliding_window": _sliding_window}),
     Family("olmo2", "OLMo 2", honoured=frozenset({"attention_bias"})),
     Family("olmo3", "OLMo 3", honoured=frozenset({"attention_bias"}), conditional=_WINDOWED),
-    Family("granite", "Granite", honoured=frozenset({  # logits_scaling by kiln.model.FINAL_LOGITS
+    Family("granite", "Granite", honoured=frozenset({  # logits_scaling by kiln.model.causal_lm.FINAL_LOGITS
         "attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
         "logits_scaling"})),
     Family("starcoder2", "StarCoder2", honoured=frozenset({"norm_epsilon", "use_bias"}), neutral=_DROPOUTS,

@@ -14,9 +14,9 @@ import json
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kiln.attention import ATTENTION_IMPLEMENTATION
-from kiln.model import CONFIG_BUILD_ERRORS, TokenModel, unbuildable
-from kiln.model_spec import ResolvedModel
+from kiln.attention.op import ATTENTION_IMPLEMENTATION
+from kiln.model.causal_lm import CONFIG_BUILD_ERRORS, TokenModel, unbuildable
+from kiln.model.spec import ResolvedModel
 
 # Fields the build or the forward read that still cannot change the compiled code, and why.
 NOT_CODE_FIELDS = {

@@ -6,15 +6,15 @@ tokens are one causal sequence, which is what the compile service's traces and c
 
 A layer's sliding window and attention-logit soft-cap are arguments of its call: constants of the traced graph,
 one per kind of layer, so local and global layers differ and a captured CUDA graph replays each layer with its own.
-The layer index is not a constant but a tensor input (``kiln_layer``, passed down by ``kiln.model.LayerStep``), so
-one compiled decoder layer serves every layer of its kind.
+The layer index is not a constant but a tensor input (``kiln_layer``, passed down by
+``kiln.model.causal_lm.LayerStep``), so one compiled decoder layer serves every layer of its kind.
 """
 
 import torch
 from transformers import AttentionInterface
 
-from kiln import attention_reference
-from kiln.forward_context import current_forward_context
+from kiln.attention import reference as attention_reference
+from kiln.attention.forward_context import current_forward_context
 
 ATTENTION_IMPLEMENTATION = "kiln"
 ATTENTION_OP_NAME = "kiln::attention"
@@ -48,7 +48,7 @@ def attention(
         return attention_reference.causal_attention(q, k, v, scale, 0, window, softcap).contiguous()
     kv_cache = ctx.kv_caches[int(layer)]
     if q.is_cuda:
-        from kiln import attention_triton
+        from kiln.attention import triton_kernels as attention_triton
 
         return attention_triton.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap)
     return attention_reference.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap)
@@ -62,10 +62,11 @@ def _(q, k, v, layer, scale, window=0, softcap=0.0):
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, *,
                   kiln_layer: torch.Tensor, **kwargs):
     """AttentionInterface adapter: HF passes [1, H, T, D]; Kiln's op works on [T, H, D]. ``kiln_layer`` is the
-    layer index tensor that ``kiln.model.LayerStep`` passes down through the decoder layer's keyword arguments.
+    layer index tensor that
+    ``kiln.model.causal_lm.LayerStep`` passes down through the decoder layer's keyword arguments.
 
     Anything else a module asks of attention (a non-causal mask, attention sinks, ...) is refused here rather than
-    ignored; kiln.model_features refuses the configs that lead to it before a model is built.
+    ignored; kiln.model.features refuses the configs that lead to it before a model is built.
     """
     asked = asked_of(kwargs, _ATTENTION_NEUTRAL_KWARGS)
     if asked or not getattr(module, "is_causal", True):

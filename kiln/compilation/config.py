@@ -3,10 +3,10 @@
 import json
 from dataclasses import asdict, dataclass, field
 
-from kiln.attention import ATTENTION_OP_NAME
+from kiln.attention.op import ATTENTION_OP_NAME
+from kiln.compilation.inductor_options import parse_patches
 from kiln.errors import InvalidArgument, quote
-from kiln.inductor_options import parse_patches
-from kiln.model_spec import default_device
+from kiln.model.spec import default_device
 from protos import common_pb2
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
@@ -58,7 +58,8 @@ class CompileConfig:
                 raise InvalidArgument(
                     f"config.compile_sizes: {size} is outside the symbolic range [1, {max_tokens}]"
                 )
-        # Only options on Kiln's allowlist: some others name binaries, paths or callables (kiln/inductor_options.py).
+        # Only options on Kiln's allowlist: some others name binaries, paths or callables
+        # (kiln/compilation/inductor_options.py).
         patches = parse_patches(msg.inductor_config_patches_json) if msg.inductor_config_patches_json else {}
         return cls(
             splitting_ops=tuple(dict.fromkeys(splitting_ops)),

@@ -6,7 +6,7 @@ Layout (``K`` is an artifact key, ``G`` a generation: a fresh id for each commit
   (the fencing token of the commit), ``committed_unix``.
 - ``kiln:chunk:K:G:NAME:I``  string: the I-th chunk of file NAME, at most ``chunk_bytes`` (never one huge value).
 - ``kiln:index``  sorted set: K scored by its last-used time, for ListArtifacts and for eviction by age.
-- ``kiln:lease:K`` / ``kiln:fence:K``: single-flight across compile services (kiln/redis_lease.py).
+- ``kiln:lease:K`` / ``kiln:fence:K``: single-flight across compile services (kiln/store/redis_lease.py).
 
 A commit uploads every chunk under a new generation with an expiry (orphans of a writer killed mid-upload vanish on
 their own), then in one MULTI/EXEC, watched on the fence: makes the chunks permanent, points the hash at them and
@@ -36,12 +36,12 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kiln import bundle
-from kiln.artifact_store import FilesystemStore, StoredArtifact, is_key
-from kiln.bundle import CorruptBundle, Manifest, UntrustedBundle
 from kiln.errors import Unavailable
-from kiln.redis_lease import Lease
-from kiln.signing import Signer, TrustedKeys
+from kiln.store import bundle
+from kiln.store.artifact_store import FilesystemStore, StoredArtifact, is_key
+from kiln.store.bundle import CorruptBundle, Manifest, UntrustedBundle
+from kiln.store.redis_lease import Lease
+from kiln.store.signing import Signer, TrustedKeys
 
 log = logging.getLogger(__name__)
 

@@ -270,4 +270,5 @@ def check_option(name: str, value: object) -> None:
             raise InvalidArgument(f"{FIELD}: {name} is {quote(value)}; it takes {allowed.says}")
         return
     reason = refusal_reason(name) or "is not on Kiln's allowlist of code-generation options"
-    raise PermissionDenied(f"{FIELD}: {name} {reason}; a client may not set it (allowed: see kiln/inductor_options.py)")
+    raise PermissionDenied(f"{FIELD}: {name} {reason}; a client may not set it "
+                           "(allowed: see kiln/compilation/inductor_options.py)")

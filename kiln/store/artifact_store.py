@@ -20,7 +20,7 @@ Writes are atomic; the compile service's store signs what it commits and, on a r
 bundle signed by a key it trusts: whoever else can write the store can plant bytes there but not a hit. A process
 killed mid-write leaves a staging directory and a lock file; the next process to open the store sweeps both.
 
-RedisStore (kiln/redis_store.py) is the second backend. An object store (S3 and the like) would be one more class
+RedisStore (kiln/store/redis_store.py) is the second backend. An object store (S3 and the like) would be one more class
 of the same methods: files uploaded as objects under a fresh prefix ``<key>/<generation>/``, then a small
 ``<key>/current`` object naming that generation, manifest and signature written last with a conditional write
 (If-Match on the previous version) as the commit point; ``lock`` a lease object created with If-None-Match and a
@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from kiln import bundle
-from kiln.bundle import CorruptBundle, Manifest, UntrustedBundle
 from kiln.errors import FailedPrecondition, InvalidArgument, quote
-from kiln.signing import Signer, TrustedKeys
+from kiln.store import bundle
+from kiln.store.bundle import CorruptBundle, Manifest, UntrustedBundle
+from kiln.store.signing import Signer, TrustedKeys
 
 log = logging.getLogger(__name__)
 

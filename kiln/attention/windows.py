@@ -10,7 +10,7 @@ its whole context, so nothing of it may be freed.
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kiln.attention  # noqa: F401  (registers kiln::attention)
+import kiln.attention.op  # noqa: F401  (registers kiln::attention)
 
 _WINDOW_ARG = 5  # kiln::attention(q, k, v, layer_idx, scale, window=0, softcap=0.0)
 
@@ -32,8 +32,9 @@ class _AttentionCalls(TorchDispatchMode):
 
 @torch.no_grad()
 def layer_windows(model: torch.nn.Module, device: str) -> dict[int, int]:
-    """layer index -> its window (0: the whole context), from one token through ``model`` (a kiln.model.TokenModel)
-    outside any engine step, so the op attends that token alone and touches no KV cache."""
+    """layer index -> its window (0: the whole context), from one token through ``model`` (a
+    kiln.model.causal_lm.TokenModel) outside any engine step, so the op attends that token alone and touches no KV
+    cache."""
     calls = _AttentionCalls()
     token = torch.zeros(1, dtype=torch.int64, device=device)
     with calls:

@@ -18,9 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kiln.auth import TokenAuth, TokenTable
 from kiln.errors import KilnError, first_line, resource_error
-from kiln.tls import ServerTls
+from kiln.rpc.auth import TokenAuth, TokenTable
+from kiln.rpc.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,11 @@ def status_errors(method):
 
     async def abort(context, exc: Exception):
         if isinstance(exc, KilnError):
-            await context.abort(exc.code, _cut(str(exc)))
+            await context.abort(grpc.StatusCode[exc.code], _cut(str(exc)))
         caller = resource_error(exc, method.__name__)
         if caller is not None:
             log.warning("%s failed: %s", method.__name__, caller)
-            await context.abort(caller.code, _cut(str(caller)))
+            await context.abort(grpc.StatusCode[caller.code], _cut(str(caller)))
         log.exception("unexpected error in %s", method.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, _cut(first_line(exc)))
 

@@ -1,6 +1,6 @@
 """Paged attention on CUDA with Triton: the GPU implementation of Kiln's attention op.
 
-Same semantics as ``kiln.attention_reference.paged_attention``, in three kernels:
+Same semantics as ``kiln.attention.reference.paged_attention``, in three kernels:
 
 - ``_write_kv_kernel`` stores the step's keys and values at their cache slots (padding slots < 0 are skipped).
 - Decode (every sequence has one query token) is flash-decoding: a program owns one sequence, one kv head and one
@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.forward_context import AttentionMetadata
-from kiln.model_features import MAX_CUDA_HEAD_DIM
+from kiln.attention.forward_context import AttentionMetadata
+from kiln.model.features import MAX_CUDA_HEAD_DIM
 
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode

@@ -2,7 +2,7 @@
 
 Before a byte is allocated the model is built on the meta device: a config transformers cannot build is the
 caller's INVALID_ARGUMENT, weights larger than the device's free memory are RESOURCE_EXHAUSTED, and a checkpoint
-is checked tensor by tensor against it (kiln.checkpoint).
+is checked tensor by tensor against it (kiln.model.checkpoint).
 """
 
 from pathlib import Path
@@ -11,14 +11,14 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-import kiln.attention  # noqa: F401  (registers the "kiln" attention implementation)
-from kiln import checkpoint
-from kiln.attention import ATTENTION_IMPLEMENTATION
-from kiln.device_memory import available_bytes
+import kiln.attention.op  # noqa: F401  (registers the "kiln" attention implementation)
+from kiln.attention.op import ATTENTION_IMPLEMENTATION
 from kiln.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, first_line, quote
-from kiln.layer_regions import DecoderLayers
-from kiln.merged_projections import merge_projections
-from kiln.model_spec import ResolvedModel
+from kiln.model import checkpoint
+from kiln.model.device_memory import available_bytes
+from kiln.model.layer_regions import DecoderLayers
+from kiln.model.merged_projections import merge_projections
+from kiln.model.spec import ResolvedModel
 
 
 def _softcapped(config, logits: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ def _softcapped(config, logits: torch.Tensor) -> torch.Tensor:
 
 
 # What a family's ForCausalLM does to lm_head's output in its forward. Kiln takes logits itself, on the rows that
-# need them only, so it applies the same here (in the model's dtype, as transformers does); kiln.model_features
+# need them only, so it applies the same here (in the model's dtype, as transformers does); kiln.model.features
 # lists these fields as honoured.
 FINAL_LOGITS = {
     "gemma2": _softcapped,
@@ -40,7 +40,7 @@ FINAL_LOGITS = {
 class TokenModel(torch.nn.Module):
     """Flattened tokens of every sequence in a step -> final hidden states, one row per token.
 
-    What gets compiled is one decoder layer per kind (``kiln.layer_regions``), run for every layer with that
+    What gets compiled is one decoder layer per kind (``kiln.model.layer_regions``), run for every layer with that
     layer's weights as inputs, never constants; the rest of transformers' forward runs as written. Logits are taken
     by ``logits`` on the rows that need them only.
     """

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from kiln.artifact_store import ArtifactStore, FilesystemStore
-from kiln.signing import Signer, TrustedKeys
+from kiln.store.artifact_store import ArtifactStore, FilesystemStore
+from kiln.store.signing import Signer, TrustedKeys
 
 REDIS_SCHEMES = ("redis://", "rediss://")
 
@@ -21,7 +21,7 @@ def open_store(location: str | Path, cache_dir: str | Path, *, read_only: bool =
     check to the caller (the execute service's fetcher, which reports a refused bundle as refused)."""
     text = str(location)
     if is_remote(text):
-        from kiln.redis_store import DEFAULT_LEASE_S, RedisStore
+        from kiln.store.redis_store import DEFAULT_LEASE_S, RedisStore
 
         return RedisStore(text, cache_dir, read_only=read_only, lease_s=lease_s or DEFAULT_LEASE_S, signer=signer,
                           trusted=trusted)

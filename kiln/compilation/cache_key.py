@@ -14,11 +14,11 @@ import platform
 import torch
 import transformers
 
-from kiln.code_hash import kiln_code_hash
-from kiln.compile_config import CompileConfig
-from kiln.compiler_settings import compiler_settings
-from kiln.model_factors import model_config_factors
-from kiln.model_spec import ResolvedModel
+from kiln.compilation.code_hash import kiln_code_hash
+from kiln.compilation.compiler_settings import compiler_settings
+from kiln.compilation.config import CompileConfig
+from kiln.model.factors import model_config_factors
+from kiln.model.spec import ResolvedModel
 
 
 def environment_factors(device: str) -> dict:
@@ -41,7 +41,7 @@ def environment_factors(device: str) -> dict:
         factors["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
         factors["gpu_name"] = torch.cuda.get_device_name()
     else:
-        from kiln.compiler_caches import partition_factors
+        from kiln.compilation.compiler_caches import partition_factors
 
         isa = partition_factors(device)
         factors["cpu_isa"] = isa["cpu_capability"]
