@@ -7,9 +7,10 @@ import logging
 import time
 from pathlib import Path
 
+from compile_service.metrics import CompileMetrics
 from compile_service.pipeline import CompileOutcome, compile_model, look_up
 from kiln.compilation.config import CompileConfig
-from kiln.errors import InvalidArgument, NotFound
+from kiln.errors import InvalidArgument, KilnError, NotFound
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import resolve
 from kiln.rpc.grpc_server import (
@@ -40,10 +41,12 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "kiln" / "compile-cache"
 
 
 class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
-    def __init__(self, store: ArtifactStore, roots: ModelRoots, trusted: TrustedKeys):
+    def __init__(self, store: ArtifactStore, roots: ModelRoots, trusted: TrustedKeys,
+                 metrics: CompileMetrics | None = None):
         self.store = store
         self.roots = roots
         self.trusted = trusted  # what the store's bundles must be signed by: GetArtifact checks as it streams
+        self.metrics = metrics  # --metrics-port: each compile's result and seconds
 
     @status_errors
     async def Compile(self, request, context):
@@ -61,9 +64,17 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
 
         # The worker thread runs in a copy of this context, so the compile's spans are children of this call's span.
         job = in_worker_thread(compile_model, model, config, self.store, progress)
-        async for event in events.until_done(job):
-            yield compile_pb2.CompileEvent(progress=event)
-        yield compile_pb2.CompileEvent(result=_result(job.result()))
+        try:
+            async for event in events.until_done(job):
+                yield compile_pb2.CompileEvent(progress=event)
+            outcome = job.result()
+        except Exception as exc:
+            if self.metrics:
+                self.metrics.failed(exc.code if isinstance(exc, KilnError) else "INTERNAL")
+            raise
+        if self.metrics:
+            self.metrics.compiled(outcome)
+        yield compile_pb2.CompileEvent(result=_result(outcome))
 
     @status_errors
     async def GetArtifact(self, request, context):
@@ -131,19 +142,22 @@ def _result(outcome: CompileOutcome) -> compile_pb2.CompileResult:
 async def start_compile_server(store: str | Path, address: str, interceptors=(), *, signer: Signer,
                                trusted: TrustedKeys | None = None, security: ServerSecurity = UNGUARDED,
                                model_roots=(), cache_dir: str | Path = DEFAULT_CACHE_DIR,
-                               lease_s: float | None = None) -> tuple[Server, int]:
+                               lease_s: float | None = None, metrics: CompileMetrics | None = None
+                               ) -> tuple[Server, int]:
     """Build, bind and start; returns the server and its port (address may say port 0).
 
     ``store`` is a directory or ``redis://...``; a Redis store keeps verified local copies of its bundles in
     ``cache_dir`` and holds a lease of ``lease_s`` seconds (renewed while it compiles) on each key it compiles.
     Every bundle committed is signed with ``signer``; a bundle in the store counts as present only when it verifies
     against the signer's own key or one of ``trusted`` (a rotated-out key whose bundles are still good).
+    ``metrics`` (--metrics-port) count each compile.
     """
     trusted = (trusted or TrustedKeys([])).with_key(signer.public_key)
     bundles = open_store(store, cache_dir, lease_s=lease_s, signer=signer, trusted=trusted)
     roots = ModelRoots.for_server(model_roots, loopback=is_loopback(address))
     server = Server([SERVICE_NAME], interceptors, security)
-    compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(bundles, roots, trusted), server.server)
+    compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(bundles, roots, trusted, metrics),
+                                                      server.server)
     port = await server.start(address)
     log.info("compile service listening on %s (port %d), store %s, signing as %s, model roots: %s", address, port,
              bundles.location, signer.key_id, roots.describe())

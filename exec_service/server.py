@@ -11,6 +11,7 @@ from pathlib import Path
 from exec_service.api.servicer import SERVICE_NAME, ExecServicer
 from exec_service.startup.fetch import COMPILE_CHANNEL_OPTIONS, BundleFetcher
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
+from exec_service.telemetry.metrics import EngineLoad, ExecMetrics
 from kiln.model.roots import ModelRoots
 from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
 from kiln.rpc.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, UNGUARDED, Server, ServerSecurity, is_loopback
@@ -61,12 +62,13 @@ class ExecServer(Server):
         await asyncio.to_thread(self.telemetry.close)
 
 
-async def start_exec_server(settings: ExecServerSettings, step_observers: Iterable[StepObserver] = ()
-                            ) -> tuple[ExecServer, int]:
+async def start_exec_server(settings: ExecServerSettings, step_observers: Iterable[StepObserver] = (),
+                            metrics: ExecMetrics | None = None) -> tuple[ExecServer, int]:
     """Build, bind and start; returns the server and its port.
 
-    Spans, forward spans and metrics follow what init_tracing installed in this process (nothing when it did not
-    run); ``step_observers`` hear every engine step besides the service's own (tests record them).
+    Spans, forward spans and OTLP metrics follow what init_tracing installed in this process (nothing when it did
+    not run); ``step_observers`` hear every engine step besides the service's own (tests record them); ``metrics``
+    (--metrics-port) hear every step and request and read the engines' load when scraped.
     """
     started = time.perf_counter()
     await asyncio.to_thread(bundle.preload_runtime)
@@ -84,8 +86,10 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     fetcher = BundleFetcher(store, shared=shared, compile_channel=channel,
                             trusted=settings.trusted)
     roots = ModelRoots.for_server(settings.model_roots, loopback=is_loopback(settings.address))
-    server = ExecServer(ExecTelemetry(installed_telemetry(), step_observers), settings.security)
+    server = ExecServer(ExecTelemetry(installed_telemetry(), step_observers, metrics), settings.security)
     servicer = ExecServicer(server, fetcher, server.telemetry, roots)
+    if metrics:
+        metrics.watch(lambda: _engine_loads(servicer))
     exec_pb2_grpc.add_ExecServiceServicer_to_server(servicer, server.server)
     server.on_grace_ending = servicer.end_streams
     port = await server.start(settings.address)
@@ -96,3 +100,15 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     for request in settings.preload:
         await servicer.preload(request)
     return server, port
+
+
+def _engine_loads(servicer: ExecServicer) -> list[EngineLoad]:
+    """Each ready model's load, read from the scraping thread (a model may be unloaded meanwhile: then skipped)."""
+    loads = []
+    for served in list(servicer.models.values()):
+        started = served.started
+        if started is not None:
+            engine = started.engine
+            loads.append(EngineLoad(served.name, engine.num_running, engine.num_waiting, engine.num_free_blocks,
+                                    started.sizing.num_kv_blocks))
+    return loads

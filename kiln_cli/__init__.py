@@ -6,6 +6,7 @@ import os
 import sys
 
 from kiln_cli import (
+    api_server_commands,
     bench_commands,
     compile_commands,
     demo_commands,
@@ -16,7 +17,8 @@ from kiln_cli import (
 )
 
 # Each module contributes its subcommands with register(subparsers); handlers return an exit code.
-COMMAND_MODULES = [compile_commands, exec_commands, health_commands, demo_commands, bench_commands, keygen_commands]
+COMMAND_MODULES = [compile_commands, exec_commands, api_server_commands, health_commands, demo_commands, bench_commands,
+                   keygen_commands]
 
 
 def main(argv: list[str] | None = None) -> int:

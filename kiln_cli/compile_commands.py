@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS, DEFAULT_SHUTDOWN_GRACE_S, leave_unfinished_workers, serve_until_signal
-from kiln_cli import security_args
+from kiln_cli import metrics_args, security_args
 from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
@@ -29,6 +29,7 @@ def register(subparsers) -> None:
                    help="public keys (file or directory of *.pub) whose bundles in the store still count as hits: "
                         "keys rotated out")
     add_shutdown_grace_arg(p)
+    metrics_args.add_metrics_arg(p)
     security_args.add_server_args(p)
     p.set_defaults(handler=run_compile_server)
 
@@ -90,6 +91,7 @@ def compile_config(args) -> common_pb2.CompileConfig:
 
 
 def run_compile_server(args) -> int:
+    from compile_service.metrics import CompileMetrics
     from compile_service.server import DEFAULT_CACHE_DIR, start_compile_server
     from kiln.store.signing import Signer, TrustedKeys
     from tracing.grpc_instrumentation import server_interceptors
@@ -103,13 +105,16 @@ def run_compile_server(args) -> int:
     trusted = TrustedKeys.load(args.trusted_keys) if args.trusted_keys else None
     security = security_args.server_security(args)
     telemetry = init_tracing("kiln-compile")
+    metrics = metrics_args.start_metrics(args, CompileMetrics)
 
     try:
         serve_until_signal(lambda: start_compile_server(
             args.store, f"{args.host}:{args.port}", server_interceptors(), signer=signer, trusted=trusted,
             security=security, model_roots=security_args.model_roots(args), cache_dir=args.cache or DEFAULT_CACHE_DIR,
-            lease_s=args.lease_s), args.shutdown_grace_s)
+            lease_s=args.lease_s, metrics=metrics.collector if metrics else None), args.shutdown_grace_s)
     finally:
+        if metrics:
+            metrics.close()
         telemetry.shutdown()
     leave_unfinished_workers()
     return 0

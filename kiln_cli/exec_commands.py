@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from exec_service.api.runtime_modes import runtime_mode_to_proto
 from kiln.rpc.grpc_server import leave_unfinished_workers, serve_until_signal
 from kiln.runtime_mode import RuntimeMode
-from kiln_cli import security_args
+from kiln_cli import metrics_args, security_args
 from kiln_cli.compile_commands import (
     add_compile_config_args,
     add_shutdown_grace_arg,
@@ -42,6 +42,7 @@ def register(subparsers) -> None:
                    help="public keys (a PEM file of one or more, or a directory of *.pub) whose signed bundles "
                         "may be loaded")
     add_shutdown_grace_arg(p)
+    metrics_args.add_metrics_arg(p)
     security_args.add_server_args(p)
     security_args.add_client_args(p)  # towards the compile service
     p.set_defaults(handler=run_exec_server)
@@ -120,6 +121,7 @@ def load_request_json(text: str) -> exec_pb2.LoadModelRequest:
 
 def run_exec_server(args) -> int:
     from exec_service.server import DEFAULT_CACHE_DIR, ExecServerSettings, start_exec_server
+    from exec_service.telemetry.metrics import ExecMetrics
     from kiln.store.signing import TrustedKeys
     from tracing.setup import init_tracing
 
@@ -134,9 +136,13 @@ def run_exec_server(args) -> int:
     settings = ExecServerSettings(f"{args.host}:{args.port}", trusted, args.compile_server or None, args.store,
                                   args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args),
                                   tuple(args.load))
+    metrics = metrics_args.start_metrics(args, ExecMetrics)
     try:
-        serve_until_signal(lambda: start_exec_server(settings), args.shutdown_grace_s)
+        serve_until_signal(lambda: start_exec_server(settings, metrics=metrics.collector if metrics else None),
+                           args.shutdown_grace_s)
     finally:
+        if metrics:
+            metrics.close()
         telemetry.shutdown()
     leave_unfinished_workers()
     return 0

@@ -1,15 +1,17 @@
 """The execute service's telemetry, assembled in one place from what init_tracing installed in the process.
 
 Forward stats always (GetForwardStats reads them); forward spans and the forward-time histogram when the process
-exports (tracing.forward_spans); the batch-size log when KILN_LOG_BATCHSIZE_INTERVAL is set; and the request spans,
-which the forward spans watch to link each step to the requests it served. A server started from the CLI, from
-Python or from a test gets the same.
+exports (tracing.forward_spans); the batch-size log when KILN_LOG_BATCHSIZE_INTERVAL is set; the request spans,
+which the forward spans watch to link each step to the requests it served; and the Prometheus metrics when the
+server has a registry for them (--metrics-port). A server started from the CLI, from Python or from a test gets the
+same.
 """
 
 from collections.abc import Iterable
 
 from exec_service.telemetry.batch_size_log import BatchSizeLog, log_batchsize_interval
 from exec_service.telemetry.forward_stats import ForwardStats
+from exec_service.telemetry.metrics import ExecMetrics
 from exec_service.telemetry.request_spans import RequestSpans
 from kiln.step_record import StepObserver
 from tracing.forward_spans import ForwardSpans
@@ -17,14 +19,19 @@ from tracing.setup import Telemetry
 
 
 class ExecTelemetry:
-    def __init__(self, telemetry: Telemetry, extra_observers: Iterable[StepObserver] = ()):
+    def __init__(self, telemetry: Telemetry, extra_observers: Iterable[StepObserver] = (),
+                 metrics: ExecMetrics | None = None):
         self.forward_stats = ForwardStats()
-        # Each observer only where it has work: with tracing and the interval off, a step pays for neither.
+        self.metrics = metrics
+        # Each observer only where it has work: with tracing, the interval and metrics off, a step pays for none.
         self.forward_spans = ForwardSpans(telemetry.resource) if telemetry.enabled else None
-        self.request_spans = RequestSpans(watchers=[self.forward_spans] if self.forward_spans else [])
+        self.request_spans = RequestSpans(watchers=[self.forward_spans] if self.forward_spans else [],
+                                          listeners=[metrics.request_ended] if metrics else [])
         self.step_observers: list[StepObserver] = [self.forward_stats]  # first: the batch-size log reads it
         if self.forward_spans:
             self.step_observers.append(self.forward_spans)
+        if metrics:
+            self.step_observers.append(metrics)
         if log_batchsize_interval() is not None:
             self.step_observers.append(BatchSizeLog(self.forward_stats))
         self.step_observers += extra_observers

@@ -1,10 +1,11 @@
 """One span per Generate, with the OpenTelemetry GenAI attributes; watchers hear when each one starts and ends.
 
 ForwardSpans watches, to parent and link each step's ``forward`` span to the requests it served. With tracing off
-every span is the API's no-op one: no watcher hears of it and no attribute is computed.
+every span is the API's no-op one: no watcher hears of it and no attribute is computed. Listeners (the Prometheus
+metrics) hear how every request ended, traced or not.
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -12,7 +13,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanContext, Status, StatusCode
 
 from exec_service.engine.sequence import Sequence
-from kiln.errors import first_line
+from kiln.errors import KilnError, first_line
 from tracing import spans
 
 
@@ -22,12 +23,19 @@ class RequestWatcher(Protocol):
     def request_ended(self, request_id: str) -> None: ...
 
 
-class RequestSpans:
-    """Starts and ends the span of each Generate, telling ``watchers`` the request's span context while it runs."""
+# (model, the request's sequence, how it ended: "ok", "cancelled" or the status name of its failure)
+RequestListener = Callable[[str, Sequence, str], None]
 
-    def __init__(self, tracer: trace.Tracer | None = None, watchers: Iterable[RequestWatcher] = ()):
+
+class RequestSpans:
+    """Starts and ends the span of each Generate, telling ``watchers`` the request's span context while it runs,
+    and ``listeners`` how it ended."""
+
+    def __init__(self, tracer: trace.Tracer | None = None, watchers: Iterable[RequestWatcher] = (),
+                 listeners: Iterable[RequestListener] = ()):
         self._tracer = tracer or spans.tracer
         self.watchers = list(watchers)
+        self.listeners = list(listeners)
 
     @contextmanager
     def track(self, model: str, seq: Sequence) -> Iterator[trace.Span]:
@@ -40,11 +48,11 @@ class RequestSpans:
         watchers = self.watchers if span.get_span_context().is_valid else []
         for watcher in watchers:
             watcher.request_started(seq.request_id, span.get_span_context())
-        failed = False
+        failed = None  # the status name of the failure, if one ended it
         try:
             yield span
         except Exception as exc:
-            failed = True
+            failed = exc.code if isinstance(exc, KilnError) else "INTERNAL"
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, first_line(exc)))
             raise
@@ -52,8 +60,11 @@ class RequestSpans:
             for watcher in watchers:
                 watcher.request_ended(seq.request_id)
             if span.is_recording():
-                _record_outcome(span, seq, failed)
+                _record_outcome(span, seq, failed is not None)
             span.end()
+            status = failed or ("ok" if seq.finish_reason is not None else "cancelled")
+            for listener in self.listeners:
+                listener(model, seq, status)
 
 
 def _request_attributes(model: str, seq: Sequence) -> dict:

@@ -1,0 +1,144 @@
+"""The gateway's ASGI app: OpenAI's endpoints over an ExecClient.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (whole or streamed as server-sent events), ``GET
+/v1/models`` (the execute service's ready models), ``GET /health`` (200 while an execute service behind the
+target answers SERVING, else 503: a readiness probe). Every failure is OpenAI's error object with its HTTP status.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from exec_service.openai.errors import ApiError, from_rpc_error
+from exec_service.openai.exec_client import ExecClient, merged
+from exec_service.openai.gateway_metrics import GatewayMetrics
+from exec_service.openai.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
+from exec_service.openai.responses import Completion
+from exec_service.openai.streaming import MEDIA_TYPE, ChunkStream
+from protos import exec_pb2
+
+log = logging.getLogger(__name__)
+
+MAX_AUTHORIZATION_CHARS = 4096
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+
+
+def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The app; ``client_factory`` makes the ExecClient on the server's event loop when the app starts."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.client = client_factory()
+        log.info("OpenAI gateway in front of %s", app.state.client.target)
+        try:
+            yield
+        finally:
+            await app.state.client.close()
+
+    app = FastAPI(title="Kiln OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else first.get("msg", "invalid request body")
+        return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
+
+    if metrics is not None:
+        @app.middleware("http")
+        async def count(request: Request, call_next):
+            response = await call_next(request)
+            path = request.url.path
+            metrics.request_done(path if path in ENDPOINTS else "other", response.status_code)  # bounded labels
+            return response
+
+    @app.get("/health")
+    async def health(request: Request):
+        if await request.app.state.client.serving():
+            return {"status": "ok"}
+        raise ApiError(503, "no execute service behind this gateway answers its health check SERVING",
+                       "server_error", code="service_unavailable")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            listed = await request.app.state.client.list_models(_authorization(request))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "kiln", "max_model_len": m.sizing.max_model_len}
+            for m in listed.models if m.state == exec_pb2.MODEL_STATE_READY]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(request, body, chat=False, want_logprobs=body.logprobs is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _answer(request, body, chat=True, want_logprobs=body.logprobs)
+
+    async def _answer(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                      want_logprobs: bool):
+        client: ExecClient = request.app.state.client
+        generate_requests = body.generate_requests()
+        authorization = _authorization(request)
+        started = time.perf_counter()
+        responses = merged([client.generate(r, authorization) for r in generate_requests])
+        try:
+            first = await anext(responses)  # the first token, or the status that decides the HTTP one
+        except grpc.RpcError as exc:
+            await responses.aclose()
+            raise from_rpc_error(exc) from None
+        except StopAsyncIteration:
+            raise ApiError(502, "the execute service ended the stream without a response", "server_error") from None
+        endpoint = request.url.path
+        if metrics is not None:
+            metrics.first_token(endpoint, time.perf_counter() - started)
+        if body.stream:
+            stream = ChunkStream(body.n, chat, body.model, want_logprobs, body.include_usage)
+            return StreamingResponse(_timed(stream.events(first, responses), endpoint, started),
+                                     media_type=MEDIA_TYPE)
+        answer = await _whole(body, chat, want_logprobs, first, responses)
+        if metrics is not None:
+            metrics.finished(endpoint, time.perf_counter() - started)
+        return answer
+
+    async def _timed(events, endpoint: str, started: float):
+        async for item in events:
+            yield item
+        if metrics is not None:
+            metrics.finished(endpoint, time.perf_counter() - started)
+
+    return app
+
+
+async def _whole(body: SamplingFields, chat: bool, want_logprobs: bool, first, responses) -> dict:
+    completion = Completion(body.n, chat, body.model, want_logprobs)
+    completion.add(*first)
+    try:
+        async for prompt, response in responses:
+            completion.add(prompt, response)
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+    return completion.body()
+
+
+def _authorization(request: Request) -> str | None:
+    """The client's ``Authorization`` header, passed to the execute service as the call's bearer token."""
+    value = request.headers.get("authorization")
+    if value is None:
+        return None
+    if len(value) > MAX_AUTHORIZATION_CHARS or not value.startswith("Bearer "):
+        raise ApiError(401, "Authorization: expected 'Bearer <token>'", code="invalid_api_key")
+    return value

@@ -1,0 +1,74 @@
+"""``kiln api-server``'s process: the gateway's app on uvicorn, HTTPS where given a certificate.
+
+``run()`` blocks until SIGINT/SIGTERM (uvicorn lets requests in flight finish); ``start()`` serves from a thread
+of this process, for tests and embedding.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from exec_service.openai.app import build_app
+from exec_service.openai.exec_client import ExecClient
+from exec_service.openai.gateway_metrics import GatewayMetrics
+from kiln.rpc.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, is_loopback
+from kiln.rpc.tls import ClientTls
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ApiServerSettings:
+    host: str
+    port: int  # 0 picks a free one
+    target: str  # the execute services: host:port, ipv4:a:p,b:p or dns:///name:port
+    tls: ClientTls | None = None  # towards the execute services
+    server_name: str | None = None  # the name their certificate carries, where the target does not say it
+    https_cert: str | None = None  # this gateway's own certificate and key: HTTPS
+    https_key: str | None = None
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+
+
+class ApiServer:
+    def __init__(self, settings: ApiServerSettings, metrics: GatewayMetrics | None = None):
+        self.settings = settings
+        app = build_app(lambda: ExecClient(settings.target, settings.tls, settings.server_name), metrics)
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                ssl_certfile=settings.https_cert, ssl_keyfile=settings.https_key,
+                                timeout_graceful_shutdown=int(settings.shutdown_grace_s), access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    def run(self) -> None:
+        self._warn_if_open()
+        self._server.run()
+
+    def start(self) -> int:
+        """Serve from a daemon thread; returns the port once it listens."""
+        self._thread = threading.Thread(target=self._server.run, name="kiln-api-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API server did not start on {self.settings.host}:{self.settings.port}")
+            time.sleep(0.02)
+        return self.port
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=self.settings.shutdown_grace_s + 5)
+
+    def _warn_if_open(self) -> None:
+        if not is_loopback(f"{self.settings.host}:{self.settings.port}") and not self.settings.https_cert:
+            log.warning("SECURITY: the API server listens on %s without HTTPS (--https-cert/--https-key): bearer "
+                        "tokens and prompts cross the network in plaintext", self.settings.host)
