@@ -1,10 +1,11 @@
 """``kiln api-server``'s process: the gateway's app on uvicorn, HTTPS where given a certificate.
 
-``run()`` blocks until SIGINT/SIGTERM (uvicorn lets requests in flight finish); ``start()`` serves from a thread
-of this process, for tests and embedding.
+``run()`` blocks until SIGINT/SIGTERM, then lets requests in flight finish for the shutdown grace and returns (an
+exit status of 0, as the other servers'); ``start()`` serves from a thread of this process, for tests and embedding.
 """
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -49,8 +50,18 @@ class ApiServer:
         return self._server.servers[0].sockets[0].getsockname()[1]
 
     def run(self) -> None:
+        """Serve until SIGINT or SIGTERM. uvicorn serves from a thread, so these signals are this thread's to
+        handle (uvicorn's own handling would end the process by re-raising them)."""
         self._warn_if_open()
-        self._server.run()
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        port = self.start()
+        log.info("OpenAI-compatible API on %s://%s:%d/v1", "https" if self.settings.https_cert else "http",
+                 self.settings.host, port)
+        stop.wait()
+        log.info("shutting down: letting requests in flight finish for up to %.0f s", self.settings.shutdown_grace_s)
+        self.stop()
 
     def start(self) -> int:
         """Serve from a daemon thread; returns the port once it listens."""
