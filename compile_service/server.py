@@ -11,6 +11,7 @@ from compile_service.metrics import CompileMetrics
 from compile_service.pipeline import CompileOutcome, compile_model, look_up
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument, KilnError, NotFound
+from kiln.model.hub import HubCache
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import resolve
 from kiln.rpc.grpc_server import (
@@ -142,19 +143,19 @@ def _result(outcome: CompileOutcome) -> compile_pb2.CompileResult:
 async def start_compile_server(store: str | Path, address: str, interceptors=(), *, signer: Signer,
                                trusted: TrustedKeys | None = None, security: ServerSecurity = UNGUARDED,
                                model_roots=(), cache_dir: str | Path = DEFAULT_CACHE_DIR,
-                               lease_s: float | None = None, metrics: CompileMetrics | None = None
-                               ) -> tuple[Server, int]:
+                               lease_s: float | None = None, metrics: CompileMetrics | None = None,
+                               hub: HubCache | None = None) -> tuple[Server, int]:
     """Build, bind and start; returns the server and its port (address may say port 0).
 
     ``store`` is a directory or ``redis://...``; a Redis store keeps verified local copies of its bundles in
     ``cache_dir`` and holds a lease of ``lease_s`` seconds (renewed while it compiles) on each key it compiles.
     Every bundle committed is signed with ``signer``; a bundle in the store counts as present only when it verifies
     against the signer's own key or one of ``trusted`` (a rotated-out key whose bundles are still good).
-    ``metrics`` (--metrics-port) count each compile.
+    ``metrics`` (--metrics-port) count each compile; Hub ids resolve in ``hub`` (refused without one).
     """
     trusted = (trusted or TrustedKeys([])).with_key(signer.public_key)
     bundles = open_store(store, cache_dir, lease_s=lease_s, signer=signer, trusted=trusted)
-    roots = ModelRoots.for_server(model_roots, loopback=is_loopback(address))
+    roots = ModelRoots.for_server(model_roots, loopback=is_loopback(address), hub=hub)
     server = Server([SERVICE_NAME], interceptors, security)
     compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(bundles, roots, trusted, metrics),
                                                       server.server)

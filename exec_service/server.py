@@ -12,6 +12,7 @@ from exec_service.api.servicer import SERVICE_NAME, ExecServicer
 from exec_service.startup.fetch import COMPILE_CHANNEL_OPTIONS, BundleFetcher
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
 from exec_service.telemetry.metrics import EngineLoad, ExecMetrics
+from kiln.model.hub import HubCache
 from kiln.model.roots import ModelRoots
 from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
 from kiln.rpc.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, UNGUARDED, Server, ServerSecurity, is_loopback
@@ -47,6 +48,7 @@ class ExecServerSettings:
     client: ClientSecurity = PLAINTEXT  # how this server calls the compile service (TLS, token)
     model_roots: tuple[str | Path, ...] = ()  # the directories a request may name
     preload: tuple[exec_pb2.LoadModelRequest, ...] = ()  # loaded at start (--load), in the background
+    hub: HubCache | None = None  # where Hub ids resolve (--hub-cache); None: they are refused
 
 
 class ExecServer(Server):
@@ -85,7 +87,7 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
                                    interceptors=client.interceptors()) if settings.compile_address else None
     fetcher = BundleFetcher(store, shared=shared, compile_channel=channel,
                             trusted=settings.trusted)
-    roots = ModelRoots.for_server(settings.model_roots, loopback=is_loopback(settings.address))
+    roots = ModelRoots.for_server(settings.model_roots, loopback=is_loopback(settings.address), hub=settings.hub)
     server = ExecServer(ExecTelemetry(installed_telemetry(), step_observers, metrics), settings.security)
     servicer = ExecServicer(server, fetcher, server.telemetry, roots)
     if metrics:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import grpc
 
+from kiln.model.hub import is_hub_id
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS, DEFAULT_SHUTDOWN_GRACE_S, leave_unfinished_workers, serve_until_signal
 from kiln_cli import metrics_args, security_args
 from kiln_cli.output import Printer, report_rpc_error
@@ -73,8 +74,13 @@ def add_compile_config_args(p) -> None:
 
 
 def model_spec(model: str, dtype: str) -> common_pb2.ModelSpec:
-    """Something that looks like a path is an HF directory; anything else is a preset name."""
-    if Path(model).exists() or "/" in model:
+    """A local path is an HF directory, ``org/name[@revision]`` (not a local path) a Hub id, anything else with a
+    slash a directory too (the server says it has no config.json), the rest a preset name."""
+    if Path(model).exists():
+        return common_pb2.ModelSpec(hf_dir=str(Path(model).resolve()), dtype=dtype)
+    if is_hub_id(model):
+        return common_pb2.ModelSpec(hub_id=model, dtype=dtype)
+    if "/" in model:
         return common_pb2.ModelSpec(hf_dir=str(Path(model).resolve()), dtype=dtype)
     return common_pb2.ModelSpec(preset=model, dtype=dtype)
 
@@ -111,7 +117,8 @@ def run_compile_server(args) -> int:
         serve_until_signal(lambda: start_compile_server(
             args.store, f"{args.host}:{args.port}", server_interceptors(), signer=signer, trusted=trusted,
             security=security, model_roots=security_args.model_roots(args), cache_dir=args.cache or DEFAULT_CACHE_DIR,
-            lease_s=args.lease_s, metrics=metrics.collector if metrics else None), args.shutdown_grace_s)
+            lease_s=args.lease_s, metrics=metrics.collector if metrics else None, hub=security_args.hub_cache(args)),
+        args.shutdown_grace_s)
     finally:
         if metrics:
             metrics.close()

@@ -7,6 +7,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
@@ -51,7 +52,8 @@ def register(subparsers) -> None:
     p.add_argument("address", help="execute service address, e.g. localhost:50052")
     p.add_argument("model", help="a preset name or a local Hugging Face directory")
     p.add_argument("--name", default="", help="name for Generate (default: the preset or directory name)")
-    p.add_argument("--weights", default="dummy", help="'dummy' or a local HF directory with safetensors")
+    p.add_argument("--weights", default="dummy",
+                   help="'dummy', a local HF directory with safetensors, or a Hub id (org/name[@revision])")
     p.add_argument("--weights-seed", type=int, default=0)
     p.add_argument("--key", default="", help="load this bundle instead of compiling from the config")
     p.add_argument("--max-model-len", type=int, default=0)
@@ -135,7 +137,7 @@ def run_exec_server(args) -> int:
     telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
     settings = ExecServerSettings(f"{args.host}:{args.port}", trusted, args.compile_server or None, args.store,
                                   args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args),
-                                  tuple(args.load))
+                                  tuple(args.load), hub=security_args.hub_cache(args))
     metrics = metrics_args.start_metrics(args, ExecMetrics)
     try:
         serve_until_signal(lambda: start_exec_server(settings, metrics=metrics.collector if metrics else None),
@@ -151,7 +153,7 @@ def run_exec_server(args) -> int:
 def load_request(args) -> exec_pb2.LoadModelRequest:
     request = exec_pb2.LoadModelRequest(
         name=args.name, model=model_spec(args.model, args.dtype), config=compile_config(args),
-        weights=args.weights, weights_seed=args.weights_seed, max_model_len=args.max_model_len,
+        weights=local_weights(args.weights), weights_seed=args.weights_seed, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=_ints(args.capture_sizes), max_num_waiting=args.max_num_waiting,
@@ -159,6 +161,11 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
     if args.key:
         request.key.CopyFrom(common_pb2.ArtifactKey(digest=args.key))
     return request
+
+
+def local_weights(weights: str) -> str:
+    """A local directory travels as its absolute path (the server's working directory is not the client's)."""
+    return str(Path(weights).resolve()) if weights != "dummy" and Path(weights).exists() else weights
 
 
 def _call(args, work) -> int:

@@ -1,10 +1,13 @@
-"""The security flags, the same on every command that has them: servers' TLS, tokens, request cap and model roots,
-clients' CA, certificate and token. Each flag falls back to its ``KILN_*`` environment variable."""
+"""The security flags, the same on every command that has them: servers' TLS, tokens, request cap, model roots and
+Hugging Face cache, clients' CA, certificate and token. Each flag falls back to its ``KILN_*`` environment variable
+(the cache to Hugging Face's own, HF_HUB_CACHE or HF_HOME)."""
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
+from kiln.model.hub import HubCache
 from kiln.rpc.auth import TokenFileError, TokenTable
 from kiln.rpc.client_security import ClientSecurity
 from kiln.rpc.grpc_server import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, ServerSecurity
@@ -30,6 +33,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-root", action="append", default=None,
                    help="directory under which clients may name models and weights (repeatable; "
                         "env KILN_MODEL_ROOTS, separated by ':')")
+    p.add_argument("--hub-cache", default=None,
+                   help="the Hugging Face cache Hub ids (org/name[@revision]) resolve in, a model root too "
+                        "(default: Hugging Face's, HF_HUB_CACHE); 'none' refuses Hub ids")
+    p.add_argument("--allow-hub-downloads", action="store_true",
+                   default=os.environ.get("KILN_ALLOW_HUB_DOWNLOADS") == "1",
+                   help="download a Hub id missing from the cache (configs, safetensors, tokenizers; never code). "
+                        "Off by default: with it, any client that may load or compile makes this server fetch the "
+                        "repositories it names (env KILN_ALLOW_HUB_DOWNLOADS=1)")
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +64,17 @@ def model_roots(args) -> list[str]:
     if args.model_root:
         return args.model_root
     return [root for root in (os.environ.get("KILN_MODEL_ROOTS") or "").split(os.pathsep) if root]
+
+
+def hub_cache(args) -> HubCache | None:
+    """Where Hub ids resolve: --hub-cache, or Hugging Face's default cache; None for 'none'."""
+    if args.hub_cache == "none":
+        return None
+    if args.hub_cache:
+        return HubCache(Path(args.hub_cache).expanduser(), args.allow_hub_downloads)
+    from huggingface_hub import constants
+
+    return HubCache(Path(constants.HF_HUB_CACHE), args.allow_hub_downloads)
 
 
 def client_security(args) -> ClientSecurity:

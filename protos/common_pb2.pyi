@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelSpec(_message.Message):
-    __slots__ = ("preset", "hf_dir", "config_json", "dtype")
+    __slots__ = ("preset", "hf_dir", "config_json", "hub_id", "dtype")
     PRESET_FIELD_NUMBER: _ClassVar[int]
     HF_DIR_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    HUB_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     preset: str
     hf_dir: str
     config_json: str
+    hub_id: str
     dtype: str
-    def __init__(self, preset: _Optional[str] = ..., hf_dir: _Optional[str] = ..., config_json: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, preset: _Optional[str] = ..., hf_dir: _Optional[str] = ..., config_json: _Optional[str] = ..., hub_id: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class SplittingOps(_message.Message):
     __slots__ = ("ops",)

@@ -7,6 +7,7 @@ from exec_service.engine.engine_config import EngineConfig
 from exec_service.startup.load_model import LoadTarget
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument
+from kiln.model.hub import is_hub_id
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
 from kiln.runtime_mode import RuntimeMode
@@ -27,7 +28,9 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
     compile_config = CompileConfig.from_proto(request.config)
     resolved = resolve(request.model, compile_config.device, roots)
     weights = request.weights or "dummy"
-    if weights != "dummy":
+    if is_hub_id(weights):  # org/name[@revision]: its snapshot in the server's Hugging Face cache
+        weights = str(roots.hub_dir(weights, "weights"))
+    elif weights != "dummy":
         weights = str(roots.check_dir(weights, "weights"))
     return LoadTarget(
         name=model_name(request, resolved), spec=request.model, resolved=resolved, compile_config=compile_config,

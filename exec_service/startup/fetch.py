@@ -315,7 +315,7 @@ def _wire_spec(spec: common_pb2.ModelSpec, resolved: ResolvedModel) -> common_pb
     """The spec as the compile service must see it: a local directory travels as its config.json (the compile
     service may run elsewhere), the dtype explicitly (its default depends on its own device)."""
     wire = common_pb2.ModelSpec(dtype=resolved.dtype_name)
-    if spec.WhichOneof("source") == "hf_dir":
+    if spec.WhichOneof("source") in ("hf_dir", "hub_id"):
         wire.config_json = (resolved.hf_dir / "config.json").read_text()  # the path the model roots checked
     elif spec.WhichOneof("source") == "preset":
         wire.preset = spec.preset

@@ -3,7 +3,8 @@
 The operator sets them with ``--model-root DIR`` (repeatable). A server bound off loopback with none reads no
 client-named path at all; one bound to loopback with none reads any directory its user can (on one machine, the
 client is a local user). Paths are compared after every symlink is resolved, the directory's own entries too, and
-a refusal reads the same whether or not the path exists.
+a refusal reads the same whether or not the path exists. The server's Hugging Face cache (kiln.model.hub), where
+Hub ids resolve, counts as one more root.
 """
 
 import errno
@@ -11,25 +12,39 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from kiln.errors import InvalidArgument, PermissionDenied, quote
+from kiln.errors import FailedPrecondition, InvalidArgument, PermissionDenied, quote
+from kiln.model.hub import HubCache
 
 MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 
 
 class ModelRoots:
-    def __init__(self, roots: Iterable[str | Path] = (), any_path: bool = False):
+    def __init__(self, roots: Iterable[str | Path] = (), any_path: bool = False, hub: HubCache | None = None):
         self.roots = [Path(os.path.realpath(Path(root).expanduser())) for root in roots]
         self.any_path = any_path and not self.roots
+        self.hub = hub
+        if hub is not None:
+            self.roots.append(Path(os.path.realpath(Path(hub.cache_dir).expanduser())))
 
     @classmethod
-    def for_server(cls, roots: Iterable[str | Path], loopback: bool) -> "ModelRoots":
-        """The operator's roots; with none, any path on a loopback-only server and no path on any other."""
-        return cls(roots, any_path=loopback)
+    def for_server(cls, roots: Iterable[str | Path], loopback: bool, hub: HubCache | None = None) -> "ModelRoots":
+        """The operator's roots; with none, any path on a loopback-only server and no path on any other. Hub ids
+        resolve in ``hub``'s cache (refused without one)."""
+        return cls(roots, any_path=loopback, hub=hub)
 
     def describe(self) -> str:
+        hub = f"; Hub ids from the {self.hub.describe()}" if self.hub else "; no Hub ids"
         if self.any_path:
-            return "any directory (loopback, no --model-root)"
-        return ", ".join(map(str, self.roots)) or "none (no --model-root: presets and inline configs only)"
+            return "any directory (loopback, no --model-root)" + hub
+        operator = self.roots[:-1] if self.hub else self.roots
+        return (", ".join(map(str, operator)) or "none (no --model-root: presets and inline configs only)") + hub
+
+    def hub_dir(self, hub_id: str, field: str) -> Path:
+        """The snapshot directory of a Hub id in the server's Hugging Face cache, checked as any directory is."""
+        if self.hub is None:
+            raise FailedPrecondition(f"{field}: this server resolves no Hub ids (it was started without a "
+                                     f"Hugging Face cache, --hub-cache); name a directory or a preset")
+        return self.check_dir(str(self.hub.snapshot(hub_id, field)), field)
 
     def check_dir(self, path: str, field: str) -> Path:
         """``path`` with its symlinks resolved, once it and every entry in it lie under a root; INVALID_ARGUMENT

@@ -1,4 +1,5 @@
-"""Model specs: a preset, a local Hugging Face directory or an inline config.json, resolved to an HF config."""
+"""Model specs: a preset, a local Hugging Face directory, a Hub id (its snapshot in the server's Hugging Face
+cache) or an inline config.json, resolved to an HF config."""
 
 import math
 from dataclasses import dataclass
@@ -57,14 +58,19 @@ def resolve(spec: "common_pb2.ModelSpec", device: str, roots: ModelRoots | None 
         if spec.preset not in PRESETS:
             raise NotFound(f"model.preset: unknown preset {quote(spec.preset)}; known: {', '.join(sorted(PRESETS))}")
         name, raw = spec.preset, dict(PRESETS[spec.preset])
-    elif source == "hf_dir":
-        hf_dir = (roots or ModelRoots(any_path=True)).check_dir(spec.hf_dir, "model.hf_dir")
+    elif source in ("hf_dir", "hub_id"):
+        field, named = f"model.{source}", getattr(spec, source)
+        roots = roots or ModelRoots(any_path=True)
+        if source == "hf_dir":
+            hf_dir, name = roots.check_dir(spec.hf_dir, field), Path(spec.hf_dir).name
+        else:
+            hf_dir, name = roots.hub_dir(spec.hub_id, field), spec.hub_id.split("@")[0].split("/")[1]
         config_path = hf_dir / "config.json"
         if not config_path.is_file():
-            raise NotFound(f"model.hf_dir: no config.json in {quote(spec.hf_dir)}")
+            raise NotFound(f"{field}: no config.json in {quote(named)}")
         if config_path.stat().st_size > MAX_CONFIG_JSON_BYTES:
-            raise InvalidArgument(f"model.hf_dir: its config.json is over {MAX_CONFIG_JSON_BYTES} bytes")
-        name, raw = Path(spec.hf_dir).name, parse_json_object(config_path.read_text(), "model.hf_dir config.json")
+            raise InvalidArgument(f"{field}: its config.json is over {MAX_CONFIG_JSON_BYTES} bytes")
+        raw = parse_json_object(config_path.read_text(), f"{field} config.json")
     elif source == "config_json":
         if len(spec.config_json) > MAX_CONFIG_JSON_BYTES:  # characters: a lower bound on its bytes
             raise InvalidArgument(f"model.config_json: {len(spec.config_json)} characters, over the "
@@ -72,7 +78,7 @@ def resolve(spec: "common_pb2.ModelSpec", device: str, roots: ModelRoots | None 
         raw = parse_json_object(spec.config_json, "model.config_json")
         name = raw.get("model_type", "model")
     else:
-        raise InvalidArgument("model: set one of preset, hf_dir or config_json")
+        raise InvalidArgument("model: set one of preset, hf_dir, hub_id or config_json")
     config = _build_config(raw)
     model_features.check(config, device)
     return ResolvedModel(name=name, config=config, dtype=_dtype(spec.dtype, device), hf_dir=hf_dir)
