@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -32,7 +34,9 @@ COMPOSE = ROOT / "docker-compose.yml"
 CPU_OVERRIDE = ROOT / "docker-compose.cpu.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 KILN_SERVICES = ("compile", "exec")
+API_SERVICE = "api"
 KEYS_SERVICE = "keys"
+PORT_FLAGS = ("--port", "--metrics-port")
 KEYS_DIR, SIGNING_DIR = "/etc/kiln/keys", "/etc/kiln/signing"
 
 
@@ -286,6 +290,34 @@ def test_both_servers_run_with_tls_and_tokens_and_their_clients_have_the_ca_and_
         assert under(env["KILN_TLS_CA"], KEYS_DIR) and under(env["KILN_CLIENT_TOKEN_FILE"], KEYS_DIR)
 
 
+def test_the_api_gateway_balances_over_exec_with_tls_and_the_clients_tokens(compose):
+    services = compose["services"]
+    api = services[API_SERVICE]
+    command = api["command"]
+    assert command[:2] == ["kiln", "api-server"] and flag(command, "--host") == "0.0.0.0"
+    exec_port = flag(services["exec"]["command"], "--port")
+    assert flag(command, "--exec-server") == f"dns:///exec:{exec_port}", "every replica behind the name"
+    assert flag(command, "--tls-server-name") in flag(services[KEYS_SERVICE]["command"], "--tls-hosts").split(",")
+    assert under(api["environment"]["KILN_TLS_CA"], KEYS_DIR)
+    assert "KILN_CLIENT_TOKEN_FILE" not in api["environment"], "the gateway passes its clients' tokens through"
+    assert volume(api, KEYS_DIR)["read_only"] is True and len(api["volumes"]) == 1
+    assert "deploy" not in api, "no GPU: it scales apart from them"
+    port = int(flag(command, "--port"))
+    assert published(api) == {port: port}
+    assert f"http://localhost:{port}/health" in api["healthcheck"]["test"][-1]
+    assert api["depends_on"]["exec"]["condition"] == "service_healthy"
+
+
+def test_every_kiln_server_serves_metrics_on_a_port_of_its_own_unpublished(compose):
+    ports = []
+    for name in (*KILN_SERVICES, API_SERVICE):
+        service = compose["services"][name]
+        port = int(flag(service["command"], "--metrics-port"))
+        assert port not in published(service) and port != int(flag(service["command"], "--port"))
+        ports.append(port)
+    assert len(set(ports)) == len(ports)
+
+
 # --- the services, run as local processes ------------------------------------------------------------------------
 
 
@@ -311,6 +343,8 @@ class LocalCompose:
     def __init__(self, compose: dict, root: Path, otlp_port: int):
         self.compose = compose
         container_ports = {port for s in compose["services"].values() for port in published(s)}
+        container_ports |= {int(flag(s["command"], f)) for s in compose["services"].values()
+                            for f in PORT_FLAGS if f in s.get("command", [])}
         self.ports = {port: free_port() for port in container_ports}
         self.ports[4317] = otlp_port
         self.volumes = {v["target"]: root / v["source"] for s in compose["services"].values()
@@ -328,7 +362,7 @@ class LocalCompose:
 
     def argv(self, argv: list[str]) -> list[str]:
         previous = ["", *argv[:-1]]
-        return [str(self.ports[int(a)]) if p == "--port" else self.value(a)
+        return [str(self.ports[int(a)]) if p in PORT_FLAGS else self.value(a)
                 for p, a in zip(previous, argv, strict=True)]
 
     def env(self, service: str) -> dict:
@@ -356,6 +390,19 @@ class LocalCompose:
                 return time.monotonic() - started
             time.sleep(1)
         raise AssertionError(f"{service}: {argv} never exited 0: {result.stderr}\n{process.log_tail()}")
+
+    def wait_http_healthy(self, service: str, process: subprocess.Popen, log: Path) -> None:
+        """As wait_healthy, for a service whose healthcheck is an HTTP request made by ``python -c``."""
+        check = self.compose["services"][service]["healthcheck"]
+        assert check["test"][:3] == ["CMD", "python", "-c"]
+        argv = [sys.executable, "-c", self.value(check["test"][3])]
+        started = time.monotonic()
+        while time.monotonic() - started < seconds(check["start_period"]):
+            assert process.poll() is None, f"{service} exited\n{log.read_text()}"
+            if subprocess.run(argv, capture_output=True, timeout=seconds(check["timeout"]) + 30).returncode == 0:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"{service}: its healthcheck never passed\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
@@ -415,9 +462,29 @@ def test_compose_commands_run_locally_become_healthy_and_serve_generate(cpu_comp
         # The compile service traced to "jaeger" under its compose OTEL_SERVICE_NAME.
         otlp.wait_for(lambda r: [s for s in r.spans() if s.resource.get("service.name") == "kiln-compile"
                                  and s.name == "compile"])
+
+        # The gateway in front of exec: its HTTP healthcheck, then a completion with a user token passed through.
+        argv = local.argv(cpu_compose["services"][API_SERVICE]["command"])
+        with (tmp_path / "api.log").open("w") as log:
+            services[API_SERVICE] = api = subprocess.Popen(argv, env=local.env(API_SERVICE), stdout=log,
+                                                           stderr=subprocess.STDOUT)
+        local.wait_http_healthy(API_SERVICE, api, tmp_path / "api.log")
+        url = f"http://127.0.0.1:{flag(argv, '--port')}/v1/completions"
+        body = json.dumps({"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 4}).encode()
+        user = (key_dir / "user.token").read_text().strip()
+        with urllib.request.urlopen(urllib.request.Request(url, body, {
+                "Content-Type": "application/json", "Authorization": f"Bearer {user}"}), timeout=60) as response:
+            assert json.load(response)["usage"]["completion_tokens"] == 4
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}), timeout=60)
+        assert refused.value.code == 401
+        api.terminate()
+        assert api.wait(timeout=60) == 0
         for name in ("exec", "compile"):
             assert services[name].stop() == 0
     finally:
         for service in services.values():
             service.kill()
+            if isinstance(service, subprocess.Popen):
+                service.wait(timeout=30)
         redis.stop()
