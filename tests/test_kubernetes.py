@@ -84,7 +84,8 @@ def test_grpc_probes_ask_the_health_service_on_the_port_the_server_listens_on(ap
     for name in ("kiln-exec", "kiln-compile"):
         c = container(applied, name)
         port = int(flag(c["args"], "--port"))
-        assert [p["containerPort"] for p in c["ports"]] == [port]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+            "grpc": port, "metrics": int(flag(c["args"], "--metrics-port"))}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert c[probe]["grpc"]["port"] == port, (name, probe)
             assert c[probe]["grpc"]["mode"] == "TLS" and "--tls-cert" in c["args"]
@@ -143,7 +144,8 @@ def test_services_select_their_pods_and_name_their_ports(applied):
     for (kind, name), service in applied.items():
         if kind != "Service":
             continue
-        workload = applied.get(("Deployment", name)) or applied[("StatefulSet", name)]
+        (workload,) = [w for (k, _), w in applied.items() if k in ("Deployment", "StatefulSet")
+                       and w["metadata"]["name"] == service["spec"]["selector"]["app.kubernetes.io/name"]]
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= labels.items(), name
         port_names = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
@@ -152,7 +154,33 @@ def test_services_select_their_pods_and_name_their_ports(applied):
 
 def test_the_kiln_cli_accepts_every_container_command(applied):
     parser = kiln_parser()
-    for name in ("kiln-exec", "kiln-compile"):
+    for name in ("kiln-exec", "kiln-compile", "kiln-api"):
         args = container(applied, name)["args"]
         assert args[0] == "kiln"
         parser.parse_args(args[1:])  # an unknown flag or a malformed --load raises here
+
+
+def test_the_api_gateway_balances_over_the_ready_exec_pods_with_http_probes(applied):
+    c = container(applied, "kiln-api")
+    port = int(flag(c["args"], "--port"))
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "http": port, "metrics": int(flag(c["args"], "--metrics-port"))}
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    assert "httpGet" not in c["livenessProbe"], "replicas being down is no reason to restart a gateway"
+    assert "nvidia.com/gpu" not in c["resources"]["limits"], "it scales apart from the GPUs"
+    headless = applied[("Service", "kiln-exec-pods")]["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"] == applied[("Service", "kiln-exec")]["spec"][
+        "selector"]
+    assert flag(c["args"], "--exec-server") == f"dns:///kiln-exec-pods.kiln.svc.cluster.local:{headless['ports'][0]['port']}"
+    assert flag(c["args"], "--tls-server-name") == "kiln-exec"
+    assert {e["name"] for e in c["env"]} >= {"KILN_TLS_CA"} and "KILN_CLIENT_TOKEN_FILE" not in {
+        e["name"] for e in c["env"]}, "it passes its clients' tokens through and holds none"
+
+
+def test_every_kiln_pod_is_scraped_on_its_metrics_port(applied):
+    for name in ("kiln-exec", "kiln-compile", "kiln-api"):
+        template = applied[("Deployment", name)]["spec"]["template"]
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) == int(flag(container(applied, name)["args"], "--metrics-port"))
