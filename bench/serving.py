@@ -16,7 +16,13 @@
 4. With --json-out F: the results as JSON, the per-rate table as F's stem + `_rates.csv`, and TTFT and ITL against
    the rate as `_rates.png` when matplotlib is importable (else it says so; the CSV has the same figures).
 
+`--backend openai` sends the same requests through the OpenAI-compatible gateway instead (streamed
+`/v1/completions`, as vLLM's benchmark_serving sends them to vLLM): `kiln api-server` started as a child process in
+front of the execute service, or a running one at `--api-url`. The result block is the same, plus the gateway's CPU
+time per output token when it runs here; run both backends to see what the gateway costs.
+
 usage: python bench/serving.py [--preset llama-3-8b] [--requests 128] [--request-rate 2,8,32,inf] [--json-out F]
+                               [--backend grpc|openai]
 """
 
 import argparse
@@ -27,8 +33,13 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +47,7 @@ import grpc
 import numpy as np
 
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS
-from kiln_cli.service_process import LocalServices
+from kiln_cli.service_process import LocalServices, free_port, kiln_command
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
 SECTION_WIDTH = 50  # vLLM's result block: 50 columns, labels left-aligned in 40
@@ -76,20 +87,57 @@ def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
-async def send_all(stub, model: str, prompts: list[list[int]], output_len: int, offsets: list[float]
+class GrpcBackend:
+    """Generate on the execute service itself."""
+
+    def __init__(self, stub, model: str):
+        self.stub, self.model = stub, model
+
+    async def prepare(self, count: int) -> None:
+        pass
+
+    async def tokens(self, prompt: list[int], output_len: int) -> AsyncIterator[int]:
+        """The number of tokens in each message, as it arrives."""
+        async for response in self.stub.Generate(exec_pb2.GenerateRequest(
+                model=self.model, prompt_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)):
+            yield len(response.token_ids)
+
+
+class OpenAIBackend:
+    """Streamed /v1/completions through the gateway; ``return_token_ids`` counts the tokens of each chunk (the
+    dummy-weight presets have no tokenizer, so there is no text to count)."""
+
+    def __init__(self, url: str, model: str):
+        from openai_stream import SseClient
+
+        self.client, self.model = SseClient(url), model
+
+    async def prepare(self, count: int) -> None:
+        await self.client.open(count)
+
+    async def tokens(self, prompt: list[int], output_len: int) -> AsyncIterator[int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        async for chunk in self.client.events("/v1/completions", body):
+            for choice in chunk["choices"]:
+                yield len(choice["token_ids"])
+
+
+async def send_all(backend, prompts: list[list[int]], output_len: int, offsets: list[float]
                    ) -> tuple[list[RequestTiming], float]:
     """Every request at its offset; returns their timings and the wall time from the first send to the last token."""
 
     async def one(prompt: list[int], offset: float) -> RequestTiming:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         timing = RequestTiming(len(prompt), time.perf_counter())
-        async for response in stub.Generate(exec_pb2.GenerateRequest(
-                model=model, prompt_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)):
-            if response.token_ids:
+        async for count in backend.tokens(prompt, output_len):
+            if count:
                 timing.arrivals.append(time.perf_counter())
-                timing.output_tokens += len(response.token_ids)
+                timing.output_tokens += count
         timing.done = time.perf_counter()
         return timing
+
+    await backend.prepare(len(prompts))
 
     start = time.perf_counter()
     timings = await asyncio.gather(*(one(p, o) for p, o in zip(prompts, offsets, strict=True)))
@@ -132,13 +180,15 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
     return cpu
 
 
-async def run_rate(stub, model: str, prompts: list[list[int]], args, rate: float, exec_pid: int | None) -> dict:
+async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, rate: float, exec_pid: int | None,
+                   gateway_pid: int | None = None) -> dict:
     await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model, reset=True))
     cpu_before = thread_cpu_s(exec_pid) if exec_pid else None
-    timings, duration = await send_all(stub, model, prompts, args.output_len,
+    gateway_before = sum(thread_cpu_s(gateway_pid).values()) if gateway_pid else None
+    timings, duration = await send_all(backend, prompts, args.output_len,
                                        arrival_offsets(len(prompts), rate, args.seed))
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
-    result = {"request_rate": rate, **latency_metrics(timings, duration)}
+    result = {"request_rate": rate, "backend": args.backend, **latency_metrics(timings, duration)}
     result["gpu_busy"] = sum(s.total_ms for s in stats) / 1e3 / duration
     result["forward_stats"] = [(s.batch_size, s.count, round(s.median_ms, 2)) for s in stats]
     busiest = max(stats, key=lambda s: s.count, default=None)
@@ -147,6 +197,9 @@ async def run_rate(stub, model: str, prompts: list[list[int]], args, rate: float
         cpu_after = thread_cpu_s(exec_pid)
         for key in cpu_before:
             result[f"{key}_cpu_ms_per_token"] = (cpu_after[key] - cpu_before[key]) * 1e3 / result["output_tokens"]
+    if gateway_before is not None:
+        gateway_s = sum(thread_cpu_s(gateway_pid).values()) - gateway_before
+        result["gateway_cpu_ms_per_token"] = gateway_s * 1e3 / result["output_tokens"]
     print_result(result)
     return result
 
@@ -176,6 +229,7 @@ def print_result(r: dict) -> None:
         line(f"Median {name} (ms):", r[f"median_{key}_ms"])
         line(f"P99 {name} (ms):", r[f"p99_{key}_ms"])
     section("Kiln execute service")
+    line("Backend:", r["backend"], "")
     line("GPU busy (forward time / wall) (%):", 100 * r["gpu_busy"], ".1f")
     if r["typical_step"]:
         batch, ms = r["typical_step"]
@@ -183,14 +237,53 @@ def print_result(r: dict) -> None:
     if "event_loop_cpu_ms_per_token" in r:
         line("Event-loop CPU per output token (ms):", r["event_loop_cpu_ms_per_token"], ".4f")
         line("Other threads' CPU per output token (ms):", r["other_threads_cpu_ms_per_token"], ".4f")
+    if "gateway_cpu_ms_per_token" in r:
+        line("API gateway CPU per output token (ms):", r["gateway_cpu_ms_per_token"], ".4f")
     section("", "=")
 
 
-async def sweep(address: str, model: str, prompts: list[list[int]], args, exec_pid: int | None) -> list[dict]:
+HEALTH_TIMEOUT_S = 60.0
+
+
+@contextmanager
+def gateway(args, exec_address: str, logdir: Path) -> Iterator[tuple[str | None, int | None]]:
+    """With --backend openai: (the gateway's URL, its pid when it runs here), else (None, None)."""
+    if args.backend != "openai":
+        yield None, None
+        return
+    if args.api_url:
+        yield args.api_url, None
+        return
+    port = free_port()
+    with open(logdir / "api-server.log", "ab") as log:
+        child = subprocess.Popen(kiln_command("api-server", "--port", str(port), "--exec-server", exec_address),
+                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5).close()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if child.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kiln api-server did not become healthy; see {logdir / 'api-server.log'}"
+                                       ) from None
+                time.sleep(0.2)
+        yield url, child.pid
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+
+
+async def sweep(address: str, model: str, prompts: list[list[int]], args, exec_pid: int | None,
+                api_url: str | None = None, gateway_pid: int | None = None) -> list[dict]:
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
-        await send_all(stub, model, prompts[:8], 8, [0.0] * min(8, len(prompts)))  # warm-up
-        return [await run_rate(stub, model, prompts, args, rate, exec_pid) for rate in args.request_rate]
+        backend = OpenAIBackend(api_url, model) if api_url else GrpcBackend(stub, model)
+        await send_all(backend, prompts[:8], 8, [0.0] * min(8, len(prompts)))  # warm-up
+        return [await run_rate(stub, backend, model, prompts, args, rate, exec_pid, gateway_pid)
+                for rate in args.request_rate]
 
 
 async def kiln_run(args, prompts, tmp: Path) -> dict:
@@ -214,7 +307,9 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             await stub.UnloadModel(exec_pb2.UnloadModelRequest(name="bench"))
             print("LoadModel (bundle in the execute service's cache):")
             second = await load(stub, request)
-        rates = await sweep(services.exec.address, "bench", prompts, args, services.exec.process.pid)
+        with gateway(args, services.exec.address, tmp) as (api_url, gateway_pid):
+            rates = await sweep(services.exec.address, "bench", prompts, args, services.exec.process.pid, api_url,
+                                gateway_pid)
         services.stop()
     finally:
         services.cleanup()
@@ -318,6 +413,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exec-server", default="", help="a running execute service (default: start both locally)")
     p.add_argument("--model", default="", help="with --exec-server: the name of a model loaded there")
+    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                   help="grpc: Generate on the execute service; openai: streamed /v1/completions through kiln "
+                        "api-server (started here in front of the execute service unless --api-url names one)")
+    p.add_argument("--api-url", default="", help="with --backend openai: a running gateway, e.g. http://host:8000")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--skip-hf", action="store_true")
     args = p.parse_args()
@@ -329,8 +428,11 @@ def main() -> None:
     vocab = PRESETS[args.preset]["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.requests)]
+    if args.api_url and args.backend != "openai":
+        p.error("--api-url needs --backend openai")
     if args.exec_server:
-        result = {"rates": asyncio.run(sweep(args.exec_server, args.model, prompts, args, None))}
+        with tempfile.TemporaryDirectory() as tmp, gateway(args, args.exec_server, Path(tmp)) as (api_url, pid):
+            result = {"rates": asyncio.run(sweep(args.exec_server, args.model, prompts, args, None, api_url, pid))}
     else:
         with tempfile.TemporaryDirectory() as tmp:
             result = asyncio.run(kiln_run(args, prompts, Path(tmp)))
@@ -356,7 +458,8 @@ def main() -> None:
         print("\n| system | output tokens | wall s | output tokens/s | vs transformers |")
         print("|---|---|---|---|---|")
         ratio = f"{saturated['output_throughput'] / hf['tokens_per_s']:.1f}x" if "tokens_per_s" in hf else "-"
-        print(f"| Kiln (gRPC, CUDA graphs), rate {saturated['request_rate']:g} | {saturated['output_tokens']} | "
+        via = "OpenAI gateway" if args.backend == "openai" else "gRPC"
+        print(f"| Kiln ({via}, CUDA graphs), rate {saturated['request_rate']:g} | {saturated['output_tokens']} | "
               f"{saturated['duration_s']:.1f} | {saturated['output_throughput']:.0f} | {ratio} |")
         if "tokens_per_s" in hf:
             print(f"| transformers generate_batch | {hf['output_tokens']} | {hf['wall_s']:.1f} | "

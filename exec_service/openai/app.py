@@ -106,7 +106,7 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
         if metrics is not None:
             metrics.first_token(endpoint, time.perf_counter() - started)
         if body.stream:
-            stream = ChunkStream(body.n, chat, body.model, want_logprobs, body.include_usage)
+            stream = ChunkStream(body.n, chat, body.model, want_logprobs, body.include_usage, body.return_token_ids)
             return StreamingResponse(_timed(stream.events(first, responses), endpoint, started),
                                      media_type=MEDIA_TYPE)
         answer = await _whole(body, chat, want_logprobs, first, responses)
@@ -124,7 +124,7 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
 
 
 async def _whole(body: SamplingFields, chat: bool, want_logprobs: bool, first, responses) -> dict:
-    completion = Completion(body.n, chat, body.model, want_logprobs)
+    completion = Completion(body.n, chat, body.model, want_logprobs, body.return_token_ids)
     completion.add(*first)
     try:
         async for prompt, response in responses:

@@ -4,7 +4,8 @@ The bounds are OpenAI's documented ones where it has them, and Kiln's (stated in
 execute service is stricter; the execute service checks every field again. Parameters Kiln cannot honour
 (``logit_bias``, ``tools``, ``echo``, ``suffix``, a JSON ``response_format``) are refused by name rather than
 ignored, so a client never gets output that silently disregards what it asked for. Besides OpenAI's fields, the
-extras vLLM's clients send: ``top_k``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+extras vLLM's clients send: ``top_k``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+and ``return_token_ids`` (each choice and chunk also carries its ``token_ids``).
 """
 
 from typing import Annotated, Literal
@@ -54,6 +55,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP)
+    return_token_ids: bool = False
 
     def check_common(self) -> None:
         if self.logit_bias:

@@ -53,6 +53,7 @@ class Choice:
     """One sequence as it accumulates."""
 
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -78,17 +79,19 @@ class UsageCount:
 class Completion:
     """The whole answer to a non-streamed request, built from every prompt's streamed responses."""
 
-    def __init__(self, n: int, chat: bool, model: str, want_logprobs: bool):
+    def __init__(self, n: int, chat: bool, model: str, want_logprobs: bool, want_token_ids: bool = False):
         self.n = n
         self.chat = chat
         self.model = model
         self.want_logprobs = want_logprobs
+        self.want_token_ids = want_token_ids
         self.choices: dict[int, Choice] = {}
         self.usage = UsageCount()
 
     def add(self, prompt: int, response: exec_pb2.GenerateResponse) -> None:
         choice = self.choices.setdefault(prompt * self.n + response.index, Choice())
         choice.text.append(response.text)
+        choice.token_ids.extend(response.token_ids)
         choice.logprobs.extend(response.logprobs)
         if response.finish_reason:
             choice.finish_reason = FINISH_REASONS.get(response.finish_reason)
@@ -103,11 +106,13 @@ class Completion:
             if self.want_logprobs:
                 logprobs = chat_logprobs(choice.logprobs) if self.chat else completion_logprobs(choice.logprobs, 0)
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": choice.finish_reason})
+                body = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason}
             else:
-                choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                "finish_reason": choice.finish_reason})
+                body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+            if self.want_token_ids:
+                body["token_ids"] = choice.token_ids
+            choices.append(body)
         return {"id": completion_id("chatcmpl" if self.chat else "cmpl"),
                 "object": "chat.completion" if self.chat else "text_completion", "created": now(),
                 "model": self.model, "choices": choices, "usage": self.usage.body()}

@@ -36,10 +36,12 @@ def event(data: dict) -> bytes:
 class ChunkStream:
     """Turns (prompt index, GenerateResponse) pairs into the SSE events of one streamed request."""
 
-    def __init__(self, n: int, chat: bool, model: str, want_logprobs: bool, include_usage: bool):
+    def __init__(self, n: int, chat: bool, model: str, want_logprobs: bool, include_usage: bool,
+                 want_token_ids: bool = False):
         self.n = n
         self.chat = chat
         self.want_logprobs = want_logprobs
+        self.want_token_ids = want_token_ids
         self.include_usage = include_usage
         self.usage = UsageCount()
         self._offsets: dict[int, int] = {}  # choice -> characters sent: the next token's text_offset
@@ -64,6 +66,8 @@ class ChunkStream:
                                   if self.want_logprobs else None)
         self._offsets[index] = self._offsets.get(index, 0) + len(response.text)
         choice["finish_reason"] = finish_reason
+        if self.want_token_ids:
+            choice["token_ids"] = list(response.token_ids)
         return event({**self._head, "choices": [choice]})
 
     def usage_chunk(self) -> bytes:
