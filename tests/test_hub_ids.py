@@ -98,6 +98,19 @@ def test_what_the_cache_lacks_is_refused_and_nothing_downloads(hub_exec, hub_id,
     assert refused.value.details().startswith("model.hub_id: ") and says in refused.value.details()
 
 
+def test_a_snapshot_entry_outside_the_cache_is_refused(hub_exec, hub_cache, tmp_path):
+    """The cache is the root of what a Hub id may read, even on a loopback server that reads any directory."""
+    elsewhere = tmp_path / "config.json"
+    elsewhere.write_text("{}")
+    snapshot = hub_cache / "models--kiln-test--escape" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to(elsewhere)
+    with pytest.raises(grpc.RpcError) as refused:
+        load_model(hub_exec, "escape", model=common_pb2.ModelSpec(hub_id=f"kiln-test/escape@{COMMIT}"))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.value.details().startswith("model.hub_id: ")
+
+
 def test_a_server_without_a_cache_refuses_hub_ids(exec_stub):
     with pytest.raises(grpc.RpcError) as refused:
         load_model(exec_stub, "no-hub", model=common_pb2.ModelSpec(hub_id=REPO))

@@ -40,11 +40,12 @@ class ModelRoots:
         return (", ".join(map(str, operator)) or "none (no --model-root: presets and inline configs only)") + hub
 
     def hub_dir(self, hub_id: str, field: str) -> Path:
-        """The snapshot directory of a Hub id in the server's Hugging Face cache, checked as any directory is."""
+        """The snapshot directory of a Hub id in the server's Hugging Face cache, every entry resolving inside the
+        cache (whatever else this server may read)."""
         if self.hub is None:
             raise FailedPrecondition(f"{field}: this server resolves no Hub ids (it was started without a "
                                      f"Hugging Face cache, --hub-cache); name a directory or a preset")
-        return self.check_dir(str(self.hub.snapshot(hub_id, field)), field)
+        return ModelRoots([self.hub.cache_dir]).check_dir(str(self.hub.snapshot(hub_id, field)), field)
 
     def check_dir(self, path: str, field: str) -> Path:
         """``path`` with its symlinks resolved, once it and every entry in it lie under a root; INVALID_ARGUMENT
