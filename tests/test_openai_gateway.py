@@ -245,6 +245,23 @@ def test_two_replicas_behind_one_gateway_both_serve(client, replicas):
     assert sum(served) == 6 and all(n > 0 for n in served), served
 
 
+def test_a_client_that_leaves_a_stream_cancels_its_request(client, replicas):
+    def cancelled():
+        return sum(sample(scrape(r.metrics.port), "kiln:requests_total", model_name=MODEL, status="cancelled")
+                   for r in replicas)
+
+    before = cancelled()
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # the connection closes: the gateway cancels the Generate, the engine frees its blocks
+    deadline = time.monotonic() + 30
+    while cancelled() == before:
+        assert time.monotonic() < deadline, "the request ran on after its client left"
+        time.sleep(0.1)
+    assert cancelled() == before + 1
+
+
 def test_metrics_count_what_was_sent(client, gateway, replicas, tokenizer):
     def totals():
         exec_samples = [scrape(r.metrics.port) for r in replicas]

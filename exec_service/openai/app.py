@@ -56,12 +56,7 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
         return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 
     if metrics is not None:
-        @app.middleware("http")
-        async def count(request: Request, call_next):
-            response = await call_next(request)
-            path = request.url.path
-            metrics.request_done(path if path in ENDPOINTS else "other", response.status_code)  # bounded labels
-            return response
+        app.add_middleware(_CountResponses, metrics=metrics)
 
     @app.get("/health")
     async def health(request: Request):
@@ -132,6 +127,27 @@ async def _whole(body: SamplingFields, chat: bool, want_logprobs: bool, first, r
     except grpc.RpcError as exc:
         raise from_rpc_error(exc) from None
     return completion.body()
+
+
+class _CountResponses:
+    """Counts each HTTP answer by endpoint and status as its headers go out. Plain ASGI: Starlette's
+    BaseHTTPMiddleware would relay every streamed chunk through a queue of its own."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in ENDPOINTS else "other"  # bounded labels
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.request_done(path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 def _authorization(request: Request) -> str | None:

@@ -178,7 +178,8 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs: needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        request = self.generate_request(max_tokens)
+        # Unset: until the end of the sequence or the model's max_model_len, as OpenAI's and vLLM's chat answer.
+        request = self.generate_request(INT32_MAX if max_tokens is None else max_tokens)
         # "developer" is what newer clients call the system message; chat templates know "system".
         request.messages.extend(exec_pb2.ChatMessage(role="system" if m.role == "developer" else m.role,
                                                      content=m.text()) for m in self.messages)
