@@ -1,6 +1,7 @@
 """``--metrics-port``, the same on every server: Prometheus ``/metrics`` on an HTTP port of its own, bound to the
 server's ``--host``."""
 
+import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,8 +15,19 @@ T = TypeVar("T")
 
 
 def add_metrics_arg(p) -> None:
-    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("KILN_METRICS_PORT") or 0) or None,
+    # A string default goes through ``type`` too: a bad KILN_METRICS_PORT is a usage error of this command only.
+    p.add_argument("--metrics-port", type=_port, default=os.environ.get("KILN_METRICS_PORT") or None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (env KILN_METRICS_PORT; default: off)")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {text!r}")
+    return port
 
 
 @dataclass
