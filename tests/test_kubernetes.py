@@ -165,9 +165,9 @@ def test_the_api_gateway_balances_over_the_ready_exec_pods_with_http_probes(appl
     port = int(flag(c["args"], "--port"))
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
         "http": port, "metrics": int(flag(c["args"], "--metrics-port"))}
-    for probe in ("startupProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
-    assert "httpGet" not in c["livenessProbe"], "replicas being down is no reason to restart a gateway"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    for probe in ("startupProbe", "livenessProbe"):  # replicas down or loading: no reason to restart a gateway
+        assert c[probe]["tcpSocket"] == {"port": "http"}, probe
     assert "nvidia.com/gpu" not in c["resources"]["limits"], "it scales apart from the GPUs"
     headless = applied[("Service", "kiln-exec-pods")]["spec"]
     assert headless["clusterIP"] == "None" and headless["selector"] == applied[("Service", "kiln-exec")]["spec"][
