@@ -7,6 +7,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -55,6 +56,11 @@ class Replica:
         self.server.stop()
 
 
+class Gateway(NamedTuple):
+    url: str
+    metrics_port: int
+
+
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """Every sample of ``/metrics`` at ``port``, keyed by (name, sorted labels)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -98,8 +104,7 @@ def gateway(replicas):
     server = ApiServer(ApiServerSettings("127.0.0.1", 0, target), GatewayMetrics(registry))
     port = server.start()
     metrics = serve_metrics(registry, "127.0.0.1", 0)
-    server.url, server.metrics_port = f"http://127.0.0.1:{port}", metrics.port
-    yield server
+    yield Gateway(f"http://127.0.0.1:{port}", metrics.port)
     metrics.close()
     server.stop()
 
@@ -277,7 +282,9 @@ def test_metrics_count_what_was_sent(client, gateway, replicas, tokenizer):
             ("kiln:e2e_request_latency_seconds_count", {"model_name": MODEL}),
             ("kiln:request_queue_time_seconds_count", {"model_name": MODEL}),
         ]} | {"api": sample(scrape(gateway.metrics_port), "kiln:api_requests_total", endpoint="/v1/completions",
-                             status="200")}
+                             status="200"),
+              "api_itl": sample(scrape(gateway.metrics_port), "kiln:api_inter_token_latency_seconds_count",
+                                endpoint="/v1/completions")}
 
     before = totals()
     for _ in range(4):
@@ -288,7 +295,8 @@ def test_metrics_count_what_was_sent(client, gateway, replicas, tokenizer):
     assert grew == {"kiln:requests_total": 4, "kiln:request_success_total": 4,
                     "kiln:prompt_tokens_total": 4 * prompt_tokens, "kiln:generation_tokens_total": 20,
                     "kiln:time_to_first_token_seconds_count": 4, "kiln:e2e_request_latency_seconds_count": 4,
-                    "kiln:request_queue_time_seconds_count": 4, "api": 4}
+                    "kiln:request_queue_time_seconds_count": 4, "api": 4, "api_itl": grew["api_itl"]}
+    assert 4 <= grew["api_itl"] <= 16  # 5 tokens in 2 to 5 messages each: 1 to 4 gaps
 
     samples = scrape(replicas[0].metrics.port)
     assert sample(samples, "kiln:kv_blocks_free", model_name=MODEL) > 0

@@ -99,7 +99,9 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
             raise ApiError(502, "the execute service ended the stream without a response", "server_error") from None
         endpoint = request.url.path
         if metrics is not None:
-            metrics.first_token(endpoint, time.perf_counter() - started)
+            first_s = time.perf_counter()
+            metrics.first_token(endpoint, first_s - started)
+            responses = metrics.gaps(endpoint, first, first_s, responses)
         if body.stream:
             stream = ChunkStream(body.n, chat, body.model, want_logprobs, body.include_usage, body.return_token_ids)
             return StreamingResponse(_timed(stream.events(first, responses), endpoint, started),

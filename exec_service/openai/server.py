@@ -39,7 +39,8 @@ class ApiServer:
     def __init__(self, settings: ApiServerSettings, metrics: GatewayMetrics | None = None):
         self.settings = settings
         app = build_app(lambda: ExecClient(settings.target, settings.tls, settings.server_name), metrics)
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+        # The asyncio loop, not uvloop where it is installed: the one grpc.aio's channels are built and tested on.
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", loop="asyncio",
                                 ssl_certfile=settings.https_cert, ssl_keyfile=settings.https_key,
                                 timeout_graceful_shutdown=int(settings.shutdown_grace_s), access_log=False)
         self._server = uvicorn.Server(config)
