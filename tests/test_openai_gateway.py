@@ -242,6 +242,42 @@ def test_bad_input_is_openai_error_with_its_status(client):
         client.completions.create(model="no-such-model", prompt=PROMPT, stream=True)
 
 
+@pytest.mark.parametrize(("code", "status", "kind"), [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    (grpc.StatusCode.FAILED_PRECONDITION, 400, "invalid_request_error"),
+    (grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error"),
+    (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
+    (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+    (grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
+    (grpc.StatusCode.INTERNAL, 500, "server_error"),
+])
+def test_each_grpc_status_is_the_http_status_openai_clients_act_on(code, status, kind):
+    """The table itself; the statuses a real execute service sends are in the tests around this one."""
+    from exec_service.openai.errors import from_rpc_error
+
+    error = from_rpc_error(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                                details="model: 'x' is busy"))
+    body = error.body()["error"]
+    assert (error.status, body["type"], body["param"], body["message"]) == (status, kind, "model", "model: 'x' is busy")
+
+
+def test_no_execute_service_behind_the_gateway_is_503():
+    server = ApiServer(ApiServerSettings("127.0.0.1", 0, f"127.0.0.1:{free_port()}"))  # nothing listens there
+    port = server.start()
+    try:
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30)
+        assert health.value.code == 503
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0).completions.create(
+                model=MODEL, prompt=PROMPT)
+        assert unavailable.value.status_code == 503
+        assert error_of(unavailable.value)["code"] == "service_unavailable"
+    finally:
+        server.stop()
+
+
 def test_two_replicas_behind_one_gateway_both_serve(client, replicas):
     before = [sum(v for (name, _), v in scrape(r.metrics.port).items() if name == "kiln:requests_total")
               for r in replicas]
