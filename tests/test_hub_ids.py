@@ -70,14 +70,20 @@ def hub_exec(hub_cache, compile_server, tiny_key, trusted_keys, tmp_path_factory
     server.stop()
 
 
-def test_a_hub_id_loads_from_the_cache_with_its_weights_and_tokenizer(hub_exec):
+def test_a_hub_id_loads_from_the_cache_with_its_weights_and_tokenizer(hub_exec, hub_cache):
+    from transformers import AutoTokenizer
+
     events = load_model(hub_exec, "", model=common_pb2.ModelSpec(hub_id=REPO), weights=REPO)
     assert events[-1].ready.vocab_size == 512
     models = {m.name: m for m in hub_exec.ListModels(exec_pb2.ListModelsRequest()).models}
     assert models["tiny-text"].state == exec_pb2.MODEL_STATE_READY  # named after the repository
-    text = "".join(r.text for r in hub_exec.Generate(exec_pb2.GenerateRequest(
+    responses = list(hub_exec.Generate(exec_pb2.GenerateRequest(
         model="tiny-text", prompt="hello kiln", max_tokens=4, temperature=0, ignore_eos=True)))
-    assert text  # the snapshot's tokenizer turned tokens into text
+    token_ids = [t for r in responses for t in r.token_ids]
+    tokenizer = AutoTokenizer.from_pretrained(hub_cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT)
+    assert responses[-1].usage.prompt_tokens == len(tokenizer.encode("hello kiln"))  # the snapshot's tokenizer
+    # The stream holds back a character whose bytes have not all come (decode writes U+FFFD for it).
+    assert "".join(r.text for r in responses) == tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
 @pytest.mark.parametrize("revision", ["main", COMMIT])

@@ -132,7 +132,6 @@ def test_completion_text_round_trips(client, replicas, tokenizer):
     (choice,) = answer.choices
     assert choice.index == 0 and choice.finish_reason == "length"
     assert choice.text == grpc_text(replicas[0].stub, prompt=PROMPT, max_tokens=8, temperature=0, ignore_eos=True)
-    assert len(tokenizer.encode(choice.text)) > 0
     assert answer.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
     assert answer.usage.completion_tokens == 8
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + 8
@@ -208,7 +207,8 @@ def test_n_stop_and_logprobs(client):
 
     greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
                                        extra_body={"ignore_eos": True}).choices[0].text
-    stop = greedy[3:5]
+    assert greedy
+    stop = greedy[len(greedy) // 2:][:2]  # text from the middle: the stream may hold back a last partial character
     stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
                                         extra_body={"ignore_eos": True}).choices[0]
     assert stopped.finish_reason == "stop" and stop not in stopped.text and greedy.startswith(stopped.text)
