@@ -3,7 +3,7 @@
 import ipaddress
 import os
 
-from kiln.rpc.grpc_server import host_of
+from kiln.rpc.grpc_server import DEFAULT_MAX_REQUEST_BYTES, host_of
 from kiln_cli import metrics_args, security_args
 from kiln_cli.compile_commands import add_shutdown_grace_arg
 
@@ -20,6 +20,9 @@ def register(subparsers) -> None:
                    help="the name in the execute services' certificate, where the target does not carry it")
     p.add_argument("--https-cert", default=os.environ.get("KILN_HTTPS_CERT"), help="serve HTTPS: certificate (PEM)")
     p.add_argument("--https-key", default=os.environ.get("KILN_HTTPS_KEY"), help="its private key (PEM)")
+    p.add_argument("--max-request-bytes", type=int,
+                   default=int(os.environ.get("KILN_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
+                   help="largest request body accepted; larger is 413 (default: %(default)s)")
     metrics_args.add_metrics_arg(p)
     add_shutdown_grace_arg(p)
     security_args.add_client_args(p)  # towards the execute services; tokens are the HTTP clients' own
@@ -58,7 +61,7 @@ def run_api_server(args) -> int:
     telemetry = init_tracing("kiln-api")
     metrics = metrics_args.start_metrics(args, GatewayMetrics)
     settings = ApiServerSettings(args.host, args.port, target, tls, args.tls_server_name, args.https_cert,
-                                 args.https_key, args.shutdown_grace_s)
+                                 args.https_key, args.shutdown_grace_s, args.max_request_bytes)
     try:
         ApiServer(settings, metrics.collector if metrics else None).run()
     finally:

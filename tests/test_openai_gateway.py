@@ -262,6 +262,27 @@ def test_each_grpc_status_is_the_http_status_openai_clients_act_on(code, status,
     assert (error.status, body["type"], body["param"], body["message"]) == (status, kind, "model", "model: 'x' is busy")
 
 
+def test_a_body_over_the_cap_is_refused_unread(gateway):
+    """Announced (Content-Length over the default 4 MiB: refused before a byte of it is read) or chunked (refused
+    once what arrived passes the cap)."""
+    import http.client
+
+    host, port = gateway.url.removeprefix("http://").split(":")
+    for chunked in (False, True):
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", str(5 << 20))))
+        connection.endheaders()
+        if chunked:
+            piece = b"x" * (1 << 20)
+            for _ in range(5):
+                connection.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        response = connection.getresponse()
+        assert response.status == 413 and "max-request-bytes" in json.load(response)["error"]["message"]
+        connection.close()
+
+
 def test_no_execute_service_behind_the_gateway_is_503():
     server = ApiServer(ApiServerSettings("127.0.0.1", 0, f"127.0.0.1:{free_port()}"))  # nothing listens there
     port = server.start()

@@ -15,12 +15,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from exec_service.openai.body_limit import BodyLimit
 from exec_service.openai.errors import ApiError, from_rpc_error
 from exec_service.openai.exec_client import ExecClient, merged
 from exec_service.openai.gateway_metrics import GatewayMetrics
 from exec_service.openai.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from exec_service.openai.responses import Completion
 from exec_service.openai.streaming import MEDIA_TYPE, ChunkStream
+from kiln.rpc.grpc_server import DEFAULT_MAX_REQUEST_BYTES
 from protos import exec_pb2
 
 log = logging.getLogger(__name__)
@@ -29,8 +31,10 @@ MAX_AUTHORIZATION_CHARS = 4096
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 
 
-def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics | None = None) -> FastAPI:
-    """The app; ``client_factory`` makes the ExecClient on the server's event loop when the app starts."""
+def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The app; ``client_factory`` makes the ExecClient on the server's event loop when the app starts; a body over
+    ``max_request_bytes`` is refused before it is parsed."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,8 +59,9 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
         message = f"{param}: {first.get('msg', 'invalid')}" if param else first.get("msg", "invalid request body")
         return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if metrics is not None:
-        app.add_middleware(_CountResponses, metrics=metrics)
+        app.add_middleware(_CountResponses, metrics=metrics)  # added last, so it runs first: a 413 is counted too
 
     @app.get("/health")
     async def health(request: Request):

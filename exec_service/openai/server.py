@@ -15,7 +15,7 @@ import uvicorn
 from exec_service.openai.app import build_app
 from exec_service.openai.exec_client import ExecClient
 from exec_service.openai.gateway_metrics import GatewayMetrics
-from kiln.rpc.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, is_loopback
+from kiln.rpc.grpc_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE_S, is_loopback
 from kiln.rpc.tls import ClientTls
 
 log = logging.getLogger(__name__)
@@ -33,12 +33,14 @@ class ApiServerSettings:
     https_cert: str | None = None  # this gateway's own certificate and key: HTTPS
     https_key: str | None = None
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies are 413, unread
 
 
 class ApiServer:
     def __init__(self, settings: ApiServerSettings, metrics: GatewayMetrics | None = None):
         self.settings = settings
-        app = build_app(lambda: ExecClient(settings.target, settings.tls, settings.server_name), metrics)
+        app = build_app(lambda: ExecClient(settings.target, settings.tls, settings.server_name), metrics,
+                        settings.max_request_bytes)
         # The asyncio loop, not uvloop where it is installed: the one grpc.aio's channels are built and tested on.
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", loop="asyncio",
                                 ssl_certfile=settings.https_cert, ssl_keyfile=settings.https_key,
