@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import TINY_CONFIG, TINY_MODEL
+from prometheus_client.parser import text_string_to_metric_families
 from redis_server import RedisServer
 
 from kiln.rpc.client_security import ClientSecurity
@@ -480,6 +481,17 @@ def test_compose_commands_run_locally_become_healthy_and_serve_generate(cpu_comp
         assert refused.value.code == 401
         api.terminate()
         assert api.wait(timeout=60) == 0
+
+        # Every server's --metrics-port, as Prometheus would scrape it on compose's network.
+        def scrape(service: str) -> dict:
+            port = local.ports[int(flag(cpu_compose["services"][service]["command"], "--metrics-port"))]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+                return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                        for f in text_string_to_metric_families(response.read().decode()) for s in f.samples}
+
+        ok = (("model_name", "tiny-llama"), ("status", "ok"))
+        assert scrape("exec")[("kiln:requests_total", ok)] == 2  # the Generate and the completion
+        assert scrape("compile")[("kiln:compiles_total", (("result", "compiled"),))] == 1
         for name in ("exec", "compile"):
             assert services[name].stop() == 0
     finally:
