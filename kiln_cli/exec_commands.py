@@ -60,6 +60,9 @@ def register(subparsers) -> None:
     p.add_argument("--block-size", type=int, default=0)
     p.add_argument("--capture-sizes", default="", help="comma-separated batch sizes with a CUDA graph")
     p.add_argument("--max-num-waiting", type=int, default=0)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt token; by default full KV blocks are reused by later prompts with the "
+                        "same prefix (docs/prefix-caching.md)")
     p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
                    help="default: cudagraph on CUDA, compiled on CPU")
     add_compile_config_args(p)
@@ -150,6 +153,8 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=_ints(args.capture_sizes), max_num_waiting=args.max_num_waiting,
         runtime_mode=runtime_mode_to_proto(args.runtime_mode))
+    if args.no_prefix_caching:
+        request.enable_prefix_caching = False
     if args.key:
         request.key.CopyFrom(common_pb2.ArtifactKey(digest=args.key))
     return request
@@ -180,7 +185,8 @@ def run_load(args) -> int:
                 s = event.ready
                 out.message(event, f"ready: {s.num_kv_blocks} KV blocks of {s.block_size} tokens "
                                    f"({s.kv_cache_bytes / 2**20:.1f} MiB), max_num_seqs {s.max_num_seqs}, "
-                                   f"max_model_len {s.max_model_len}, {s.dtype} {s.runtime_mode} on {s.device}")
+                                   f"max_model_len {s.max_model_len}, {s.dtype} {s.runtime_mode} on {s.device}, "
+                                   f"prefix caching {'on' if s.prefix_caching else 'off'}")
 
     return _call(args, work)
 
@@ -239,7 +245,8 @@ def print_responses(responses, out: Printer) -> None:
             sys.stdout.flush()
         if response.finish_reason:
             u = response.usage
-            out.line(f"\n[{FINISH_REASONS.get(response.finish_reason, '?')}] {u.prompt_tokens} prompt + "
+            cached = f" ({u.cached_tokens} cached)" if u.cached_tokens else ""
+            out.line(f"\n[{FINISH_REASONS.get(response.finish_reason, '?')}] {u.prompt_tokens} prompt{cached} + "
                      f"{u.output_tokens} output tokens, first token {u.time_to_first_token_s * 1000:.1f} ms, "
                      f"total {u.total_s:.3f} s")
 
@@ -251,10 +258,19 @@ def run_models(args) -> int:
             window = f", KV window {m.sizing.kv_window}" if m.sizing.kv_window else ""
             detail = (f"{m.sizing.runtime_mode} on {m.sizing.device}, {m.num_free_blocks}/{m.sizing.num_kv_blocks} "
                       f"blocks free (peak {m.peak_used_blocks} held{window}), {m.num_running} running, "
-                      f"{m.num_waiting} waiting") if m.HasField("sizing") else m.error
+                      f"{m.num_waiting} waiting, {prefix_cache(m)}") if m.HasField("sizing") else m.error
             out.message(m, f"{m.name:<20} {state:<8} {detail}")
 
     return _call(args, work)
+
+
+def prefix_cache(m: exec_pb2.ModelInfo) -> str:
+    """The prefix cache of a ready model in a few words: its hit rate and the blocks it knows by content."""
+    if not m.sizing.prefix_caching:
+        return "prefix caching off"
+    queried, hit = m.prefix_cache_queried_tokens, m.prefix_cache_hit_tokens
+    rate = f"{100 * hit / queried:.1f}% of {queried} prompt tokens" if queried else "no prompts yet"
+    return f"prefix cache hits {rate}, {m.prefix_cache_blocks} blocks cached"
 
 
 def run_unload(args) -> int:

@@ -22,7 +22,7 @@ def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:
         kv_cache_bytes=s.kv_cache_bytes, weights_bytes=s.weights_bytes, activation_peak_bytes=s.activation_peak_bytes,
         cudagraph_bytes=s.cudagraph_bytes, total_memory_bytes=s.total_memory_bytes, capture_sizes=s.capture_sizes,
         runtime_mode=s.runtime_mode.value, device=s.device, vocab_size=s.vocab_size, kv_window=s.kv_window,
-        dtype=s.dtype,
+        dtype=s.dtype, prefix_caching=s.prefix_caching,
         timings=[common_pb2.PhaseTiming(phase=phase, seconds=seconds) for phase, seconds in s.timings])
 
 
@@ -30,7 +30,7 @@ def usage_message(usage: Usage) -> exec_pb2.Usage:
     return exec_pb2.Usage(
         prompt_tokens=usage.prompt_tokens, output_tokens=usage.output_tokens,
         time_to_first_token_s=usage.time_to_first_token_s, total_s=usage.total_s, queue_s=usage.queue_s,
-        num_preemptions=usage.num_preemptions)
+        num_preemptions=usage.num_preemptions, cached_tokens=usage.cached_tokens)
 
 
 def generate_response(output: RequestOutput, text: str) -> exec_pb2.GenerateResponse:

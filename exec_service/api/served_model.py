@@ -48,4 +48,8 @@ class ServedModel:
             info.num_running = engine.num_running
             info.num_free_blocks = engine.num_free_blocks
             info.peak_used_blocks = engine.peak_used_blocks
+            blocks = engine.block_manager
+            info.prefix_cache_queried_tokens = blocks.queried_tokens
+            info.prefix_cache_hit_tokens = blocks.hit_tokens
+            info.prefix_cache_blocks = blocks.num_cached_blocks
         return info

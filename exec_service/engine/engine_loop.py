@@ -29,13 +29,14 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, name: str, runner: ModelRunner, config: EngineConfig, eos_token_ids: frozenset[int],
-                 step_observers: list[StepObserver] | None = None):
+                 step_observers: list[StepObserver] | None = None, prefix_root: bytes | None = None):
         self.name = name
         self.runner = runner
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.step_observers: list[StepObserver] = step_observers if step_observers is not None else []
-        self.block_manager = BlockManager(runner.num_blocks, config.block_size, runner.kv_window)
+        # prefix_root: block_hash.model_root of the model served, or None to turn prefix caching off.
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, runner.kv_window, prefix_root)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._seeds = random.Random()  # noise seeds for requests that bring none
         self._streams: dict[str, RequestStream] = {}
@@ -169,6 +170,7 @@ class Engine:
         """End the step's requests that are still live with INTERNAL and free their blocks."""
         log.error("%s: step of %d sequences failed", self.name, batch.num_seqs, exc_info=exc)
         error = resource_error(exc, "forward") or Internal(f"forward failed: {first_line(exc)}")
+        self.block_manager.forget_cached()  # the failed step's blocks were registered, maybe never written
         for entry in batch.entries:
             if not entry.seq.is_finished:
                 self.scheduler.drop(entry.seq)

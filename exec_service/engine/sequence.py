@@ -35,6 +35,7 @@ class Usage:
     total_s: float  # arrival to the end
     queue_s: float  # arrival to the first schedule
     num_preemptions: int
+    cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +64,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_pending: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its first full blocks (block_hash.extend_chain)
+    num_cached_tokens: int = 0  # tokens its first prefill found in the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None  # set when it finishes
     # (wall-clock ns, tokens whose KV was dropped) per preemption: the request span's events.
@@ -140,4 +143,5 @@ class Sequence:
             total_s=end - self.arrival_s,
             queue_s=(self.first_scheduled_s or end) - self.arrival_s,
             num_preemptions=self.num_preemptions,
+            cached_tokens=self.num_cached_tokens,
         )
