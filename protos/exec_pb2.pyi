@@ -154,7 +154,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "sizing", "error", "num_waiting", "num_running", "num_free_blocks", "peak_used_blocks", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_blocks")
+    __slots__ = ("name", "state", "sizing", "error", "num_waiting", "num_running", "num_free_blocks", "peak_used_blocks", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_blocks", "prefix_cache_evicted_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class ModelInfo(_message.Message):
     PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     sizing: ModelSizing
@@ -177,7 +178,8 @@ class ModelInfo(_message.Message):
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     prefix_cache_blocks: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., sizing: _Optional[_Union[ModelSizing, _Mapping]] = ..., error: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ...) -> None: ...
+    prefix_cache_evicted_blocks: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., sizing: _Optional[_Union[ModelSizing, _Mapping]] = ..., error: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -52,4 +52,5 @@ class ServedModel:
             info.prefix_cache_queried_tokens = blocks.queried_tokens
             info.prefix_cache_hit_tokens = blocks.hit_tokens
             info.prefix_cache_blocks = blocks.num_cached_blocks
+            info.prefix_cache_evicted_blocks = blocks.evicted_blocks
         return info

@@ -29,8 +29,9 @@ class BlockManager:
 
     ``window`` > 0: the KV window in tokens; block ``num_blocks`` is then the null block (the cache holds one more).
     ``prefix_root``: the root of the block hashes (block_hash.model_root of the model served); None turns prefix
-    caching off. ``queried_tokens``, ``hit_tokens`` (since the start) and ``num_cached_blocks`` are the cache's
-    counters: the tokens of every prefill lookup, those found cached, and the blocks known by content now.
+    caching off. The cache's counters: ``queried_tokens``, ``hit_tokens`` and ``evicted_blocks`` since the start
+    (the tokens of every prefill lookup, those found cached, the cached blocks handed out for new content), and
+    ``num_cached_blocks``, the blocks known by content now.
     """
 
     def __init__(self, num_blocks: int, block_size: int, window: int = 0, prefix_root: bytes | None = None):
@@ -48,6 +49,7 @@ class BlockManager:
         self.peak_used_blocks = 0  # the most blocks held at once since the start
         self.queried_tokens = 0
         self.hit_tokens = 0
+        self.evicted_blocks = 0
 
     @property
     def caching(self) -> bool:
@@ -212,6 +214,7 @@ class BlockManager:
         block, _ = self._evictable.popitem(last=False)
         del self._by_hash[self._hash_of[block]]
         self._hash_of[block] = None
+        self.evicted_blocks += 1
         return block
 
     def _note_peak(self) -> None:
