@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 from conftest import load_model
+from test_kv_window import load_windowed, window_dirs  # noqa: F401  (a fixture)
 
 from exec_service.engine.block_hash import block_hash, extend_chain, model_root
 from exec_service.engine.block_manager import BlockManager
@@ -323,7 +324,7 @@ def reference(exec_server, exec_stub, tiny_key, cases) -> list:
     return results
 
 
-def assert_streams_equal(cases, together, reference) -> int:
+def assert_streams_equal(cases, together, reference, at_least: int = STREAMS // 2) -> int:
     """Every finished stream equal to caching off token for token, a cancelled one a prefix; returns the finished."""
     finished = 0
     for case, (tokens, last), (expected, _) in zip(cases, together, reference, strict=True):
@@ -333,7 +334,7 @@ def assert_streams_equal(cases, together, reference) -> int:
             finished += 1
             assert tokens == expected, case
             assert last.usage.output_tokens == len(expected) and last.usage.prompt_tokens == len(case.prompt)
-    assert finished >= STREAMS // 2
+    assert finished >= at_least
     return finished
 
 
@@ -408,3 +409,30 @@ def test_a_model_loaded_again_under_its_name_never_reuses_the_old_models_blocks(
     again, again_last = run_stream(exec_stub, "pc-swap", prompt)
     assert again == new and again_last.usage.cached_tokens == 48
     exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="pc-swap"))
+
+
+def test_a_windowed_model_reuses_the_blocks_its_window_reads_and_equals_caching_off(exec_stub,
+                                                                                    window_dirs):  # noqa: F811
+    """The tiny Mistral windowed on every layer (20 tokens, blocks of 8): a shared 60-token prefix computed once,
+    then five streams at once take its 7 full blocks as computed (holding only those their window reads) and equal
+    caching off; every block comes back."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 512) for _ in range(60)]
+    cases = [StreamCase(prefix + [rng.randrange(3, 512) for _ in range(rng.randint(5, 15))],
+                        dict(max_tokens=30, ignore_eos=True, temperature=0.0) if i % 2 else
+                        dict(max_tokens=30, ignore_eos=True, temperature=1.0, top_k=50, seed=i), None, len(prefix))
+             for i in range(6)]
+    for model, caching in (("pc-window-off", False), ("pc-window-on", True)):
+        ready = load_windowed(exec_stub, model, window_dirs["mistral"], 129, enable_prefix_caching=caching)
+        assert ready.kv_window == 20 and ready.prefix_caching is caching
+    try:
+        reference = run_together(exec_stub, "pc-window-off", cases)
+        warm = run_stream(exec_stub, "pc-window-on", cases[0])
+        together = [warm, *run_together(exec_stub, "pc-window-on", cases[1:])]
+        assert_streams_equal(cases, together, reference, at_least=len(cases))
+        assert [last.usage.cached_tokens for _, last in together] == [0] + [56] * 5
+        info = wait_until_free(exec_stub, "pc-window-on")
+        assert info.prefix_cache_hit_tokens == 5 * 56 and not info.prefix_cache_evicted_blocks
+    finally:
+        for model in ("pc-window-off", "pc-window-on"):
+            exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=model))
