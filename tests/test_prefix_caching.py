@@ -20,7 +20,7 @@ from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.engine.step_inputs import StepBuffers
 from kiln.attention import reference as attention_reference
 from kiln.attention.forward_context import AttentionMetadata
-from protos import exec_pb2
+from protos import common_pb2, exec_pb2
 
 ROOT = model_root({"model": "test"})
 GREEDY = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
@@ -194,6 +194,7 @@ def test_a_cache_hit_is_attention_over_the_cached_context_as_a_later_chunk():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_attends_a_cache_hit_as_the_whole_prefill():
     """On CUDA, the prefill kernel over cached context plus new tokens equals one whole prefill."""
     from kiln.attention import triton_kernels
@@ -436,3 +437,35 @@ def test_a_windowed_model_reuses_the_blocks_its_window_reads_and_equals_caching_
     finally:
         for model in ("pc-window-off", "pc-window-on"):
             exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=model))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_streams_with_cuda_graphs_equal_caching_off(gpu_stub, cases, shared_prefixes):
+    """The 64 streams on CUDA (graphs, Triton kernels, the overlapped engine), float32 so that batch composition
+    cannot flip a choice: caching on, warm and on a 16-block cache, equal to caching off token for token."""
+    from test_gpu_generation import SEED, SMALL_LLAMA
+
+    def load(name: str, caching: bool, blocks: int) -> exec_pb2.ModelSizing:
+        return list(gpu_stub.LoadModel(exec_pb2.LoadModelRequest(
+            name=name, model=common_pb2.ModelSpec(config_json=SMALL_LLAMA, dtype="float32"),
+            config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256), weights_seed=SEED,
+            max_model_len=512, max_num_seqs=64, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH,
+            kv_cache_bytes=blocks * 131072, max_num_batched_tokens=32, enable_prefix_caching=caching)))[-1].ready
+
+    assert not load("gpu-off", False, 512).prefix_caching
+    reference = run_together(gpu_stub, "gpu-off", cases, cancel=False)
+    assert load("gpu-on", True, 512).prefix_caching
+    for prefix in shared_prefixes:
+        run_stream(gpu_stub, "gpu-on", StreamCase(prefix + [1], dict(max_tokens=2, temperature=0.0), None, 0))
+    together = run_together(gpu_stub, "gpu-on", cases)
+    assert_streams_equal(cases, together, reference)
+    assert all(last.usage.cached_tokens == case.expected_cached
+               for case, (_, last) in zip(cases, together, strict=True) if last is not None)
+    assert load("gpu-small", True, SMALL_KV_BLOCKS).num_kv_blocks == SMALL_KV_BLOCKS
+    small = run_together(gpu_stub, "gpu-small", cases)
+    assert_streams_equal(cases, small, reference)
+    assert sum(last.usage.num_preemptions for _, last in small if last is not None) > 0
+    for model in ("gpu-off", "gpu-on", "gpu-small"):
+        wait_until_free(gpu_stub, model)
+        gpu_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=model))
