@@ -31,7 +31,7 @@ def test_messages_join_into_the_full_text_and_never_split_a_character(tokenizer)
         detokenizer, pieces, start = Detokenizer(tokenizer), [], 0
         while start < len(ids):
             size = rng.randint(1, 3)  # messages of 1 to 3 tokens, as a lagging handler coalesces them
-            pieces.append(detokenizer.add(ids[start:start + size]))
+            pieces.append(detokenizer.add(ids[start:start + size]).text)
             start += size
         assert not any("\ufffd" in piece for piece in pieces)
         assert "".join(pieces) == TEXT
@@ -41,7 +41,7 @@ def test_special_tokens_add_no_text(tokenizer):
     """As the whole decode skips them (skip_special_tokens): an end-of-sequence token sent as a message adds ''."""
     ids = tokenizer.encode(TEXT)
     detokenizer = Detokenizer(tokenizer)
-    pieces = [detokenizer.add([token]) for token in [*ids, tokenizer.eos_token_id, *ids]]
+    pieces = [detokenizer.add([token]).text for token in [*ids, tokenizer.eos_token_id, *ids]]
     assert pieces[len(ids)] == ""
     assert "".join(pieces) == TEXT + TEXT == tokenizer.decode([*ids, tokenizer.eos_token_id, *ids],
                                                                skip_special_tokens=True)
