@@ -57,11 +57,12 @@ class RequestStream:
                 output = self._pending.popleft()
                 earlier = coalesced.get(output.index)
                 coalesced[output.index] = output if earlier is None else earlier.then(output)
+            error = self._pending.popleft() if self._pending else None  # the request ends with it
             for output in coalesced.values():
                 yield output
                 self._live -= output.is_last
-            if self._pending:  # an error: the request ends with it
-                yield self._pending.popleft()
+            if error is not None:
+                yield error
                 return
             if self._live <= 0:
                 return
