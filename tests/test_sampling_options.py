@@ -21,6 +21,9 @@ from protos import exec_pb2
 MODEL = "tiny-chat"
 EOS = 2
 PROMPT = [5, 17, 300, 42, 9, 111, 64, 250, 7, 33, 480, 12]
+# Its greedy output repeats a token at once (64, 64, ...): a penalty must count the token the previous step sampled,
+# which is still on the device when the next step is prepared.
+REPEATING = [71, 294, 436, 413, 394, 35, 133, 63]
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +86,12 @@ def openai_penalties(prompt_length: int, presence: float, frequency: float):
 
 
 def test_repetition_penalty_is_transformers_own(exec_stub, chat_model, reference):
-    plain = reference_tokens(reference, PROMPT, 20)
-    expected = reference_tokens(reference, PROMPT, 20, RepetitionPenaltyLogitsProcessor(1.8))
-    assert expected != plain, "the penalty should change this output"
-    got = generate(exec_stub, max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.8)
-    assert got[0]["tokens"] == expected
+    for prompt in (PROMPT, REPEATING):
+        plain = reference_tokens(reference, prompt, 20)
+        expected = reference_tokens(reference, prompt, 20, RepetitionPenaltyLogitsProcessor(1.8))
+        assert expected != plain, "the penalty should change this output"
+        got = generate(exec_stub, prompt, max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.8)
+        assert got[0]["tokens"] == expected
     # Sampled: the same penalty before the temperature and the noise.
     expected = reference_tokens(reference, PROMPT, 20, RepetitionPenaltyLogitsProcessor(1.8), temperature=0.7,
                                 seed=99)
@@ -95,14 +99,15 @@ def test_repetition_penalty_is_transformers_own(exec_stub, chat_model, reference
     assert got[0]["tokens"] == expected
 
 
-def test_presence_and_frequency_penalties_count_the_output(exec_stub, chat_model, reference):
+@pytest.mark.parametrize("prompt", [PROMPT, REPEATING])
+def test_presence_and_frequency_penalties_count_the_output(exec_stub, chat_model, reference, prompt):
     for presence, frequency in ((1.5, 0.0), (0.0, 1.2), (-0.5, 2.0)):
-        process = openai_penalties(len(PROMPT), presence, frequency)
-        expected = reference_tokens(reference, PROMPT, 24, process)
-        got = generate(exec_stub, max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=presence,
+        process = openai_penalties(len(prompt), presence, frequency)
+        expected = reference_tokens(reference, prompt, 24, process)
+        assert expected != reference_tokens(reference, prompt, 24)
+        got = generate(exec_stub, prompt, max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=presence,
                        frequency_penalty=frequency)
         assert got[0]["tokens"] == expected, (presence, frequency)
-    assert expected != reference_tokens(reference, PROMPT, 24)
 
 
 def test_penalised_and_plain_requests_share_steps_without_touching_each_other(exec_stub, chat_model, reference):
