@@ -301,3 +301,31 @@ def test_text_options_need_a_tokenizer(exec_stub, tiny_loaded, fields, message):
         list(exec_stub.Generate(exec_pb2.GenerateRequest(model="tiny", **fields)))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in exc.value.details()
+
+
+def test_kiln_generate_sends_every_option(exec_server, exec_stub, chat_model, capsys):
+    from kiln_cli import main
+
+    common = ["generate", exec_server.address, "--model", MODEL, "--max-tokens", "6", "--temperature", "1",
+              "--seed", "3", "--ignore-eos"]
+    chat = [exec_pb2.ChatMessage(role="system", content="be brief"), exec_pb2.ChatMessage(role="user", content="hi")]
+    expected = generate(exec_stub, messages=chat, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, n=2,
+                        logprobs=True, top_logprobs=2, presence_penalty=0.5, frequency_penalty=0.25,
+                        repetition_penalty=1.2, min_tokens=2)
+    assert main([*common, "--message", "system=be brief", "--message", "user=hi", "--n", "2", "--logprobs",
+                 "--top-logprobs", "2", "--presence-penalty", "0.5", "--frequency-penalty", "0.25",
+                 "--repetition-penalty", "1.2", "--min-tokens", "2", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for index in (0, 1):
+        mine = [line for line in lines if line.get("index", 0) == index]
+        assert [t for line in mine for t in line.get("token_ids", [])] == expected[index]["tokens"]
+        assert sum(len(line.get("logprobs", [])) for line in mine) == 6
+
+    # For a person: each sequence whole under its index, a line per token's logprob, a usage line each.
+    assert main([*common, "--chat", "hi", "--n", "2", "--logprobs", "--stop", "zz"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[length] ") == 2 and "[0] " in out and "[1] " in out
+    assert sum(line.startswith("  ") for line in out.splitlines()) == 12
+    with pytest.raises(SystemExit):
+        main([*common, "--message", "nonsense"])
+    assert "ROLE=CONTENT" in capsys.readouterr().err
