@@ -38,21 +38,25 @@ def sampling_options(entries: Rows[ScheduledSequence], last_input_ids: torch.Ten
                      ) -> SamplingOptions | None:
     """For the step's sampling ``entries`` (in row order); ``last_input_ids`` [S] on the device: each row's input
     token at the position before the sampled one. None when no row has a penalty, min_tokens or logprobs."""
-    device = last_input_ids.device
-    penalised = [row for row, e in enumerate(entries) if e.seq.params.has_penalties]
-    ban_rows, ban_ids = [], []
+    penalised, ban_rows, ban_ids, num_top = [], [], [], None
     for row, entry in enumerate(entries):
         seq = entry.seq
-        if entry.end - seq.num_prompt_tokens < seq.params.min_tokens:
+        params = seq.params
+        if params.has_penalties:
+            penalised.append(row)
+        if entry.end - seq.num_prompt_tokens < params.min_tokens:
             ends = sorted(seq.end_token_ids)
             ban_rows += [row] * len(ends)
             ban_ids += ends
-    wants_logprobs = [e.seq.params.top_logprobs for e in entries if e.seq.params.logprobs]
-    if not penalised and not ban_rows and not wants_logprobs:
+        if params.logprobs:
+            num_top = max(num_top or 0, params.top_logprobs)
+    if not penalised and not ban_ids and num_top is None:
         return None
+    device = last_input_ids.device
     banned = (_to_device(ban_rows, device), _to_device(ban_ids, device)) if ban_ids else None
-    return SamplingOptions(_penalties([entries[row] for row in penalised], penalised, last_input_ids, vocab_size)
-                           if penalised else None, banned, max(wants_logprobs) if wants_logprobs else None)
+    penalties = _penalties([entries[row] for row in penalised], penalised, last_input_ids, vocab_size) \
+        if penalised else None
+    return SamplingOptions(penalties, banned, num_top)
 
 
 def _penalties(entries: list[ScheduledSequence], rows: list[int], last_input_ids: torch.Tensor,
