@@ -329,3 +329,63 @@ def test_kiln_generate_sends_every_option(exec_server, exec_stub, chat_model, ca
     with pytest.raises(SystemExit):
         main([*common, "--message", "nonsense"])
     assert "ROLE=CONTENT" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_penalties_min_tokens_and_logprobs_in_cuda_graph_steps(gpu_stub):
+    """On CUDA, in CUDA-graph decode steps, with the penalties' pairs and the logprobs copied through pinned memory
+    while the step before runs: the tokens of four requests sharing steps, each with other options, against
+    transformers' float32 model on the device."""
+    from kiln.model.causal_lm import transformers_model
+    from kiln.model.spec import resolve
+    from protos import common_pb2
+
+    spec = common_pb2.ModelSpec(preset="tiny-llama", dtype="float32")
+    config = common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=128)
+    events = list(gpu_stub.LoadModel(exec_pb2.LoadModelRequest(
+        name="tiny-gpu-sampling", model=spec, config=config, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH,
+        capture_sizes=[1, 2, 4, 8], kv_cache_bytes=64 << 20)))
+    assert events[-1].ready.runtime_mode == "cudagraph"
+    model = transformers_model(resolve(spec, "cuda"), "cuda", seed=0)
+    model.config._attn_implementation = "sdpa"
+
+    def reference(prompt, process, stop_ids=()):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(16):
+                input_ids = torch.tensor([ids], device="cuda")
+                logits = model(input_ids).logits[:, -1].float()
+                ids.append(int((process(input_ids, logits) if process else logits).argmax(-1)))
+                if ids[-1] in stop_ids:
+                    break
+        return ids[len(prompt):]
+
+    first = reference(REPEATING, None)[0]
+    cases = [
+        (REPEATING, dict(repetition_penalty=1.8), RepetitionPenaltyLogitsProcessor(1.8), ()),
+        (PROMPT, dict(presence_penalty=1.5, frequency_penalty=0.5), openai_penalties(len(PROMPT), 1.5, 0.5), ()),
+        (REPEATING, dict(min_tokens=6, stop_token_ids=[first]),
+         MinNewTokensLengthLogitsProcessor(len(REPEATING), 6, [first, EOS]), (first,)),
+        (PROMPT[::-1], dict(logprobs=True, top_logprobs=3), None, ()),
+    ]
+
+    def run(case):
+        prompt, fields, _, _ = case
+        responses = list(gpu_stub.Generate(exec_pb2.GenerateRequest(
+            model="tiny-gpu-sampling", prompt_ids=prompt, max_tokens=16, temperature=0,
+            ignore_eos="min_tokens" not in fields, **fields)))
+        return [t for r in responses for t in r.token_ids], [lp for r in responses for lp in r.logprobs]
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(run, cases))
+    for (prompt, fields, process, stop_ids), (tokens, _) in zip(cases, results, strict=True):
+        assert tokens == reference(prompt, process, stop_ids), fields
+    tokens, logprobs = results[-1]
+    with torch.no_grad():
+        prompt = cases[-1][0]
+        expected = model(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+    expected = expected.log_softmax(-1).cpu()
+    assert [lp.logprob for lp in logprobs] == pytest.approx(
+        [expected[i, t].item() for i, t in enumerate(tokens)], abs=1e-3)
+    assert [[t.token_id for t in lp.top] for lp in logprobs] == expected.topk(3).indices.tolist()
