@@ -189,6 +189,18 @@ def test_chat_messages_render_with_the_models_template(exec_stub, chat_model, to
     assert by_chat["tokens"] == by_ids["tokens"] and by_chat["last"].usage.prompt_tokens == len(ids)
 
 
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",  # the classic escape to os and subprocess
+    "{{ messages.append(messages[0]) }}",  # the immutable sandbox: a template cannot change what it is given
+])
+def test_chat_templates_run_in_transformers_sandbox(tokenizer, template):
+    """What exec_service/api/chat_prompt.py relies on, on whichever transformers runs the tests."""
+    import jinja2.sandbox
+
+    with pytest.raises(jinja2.sandbox.SecurityError):
+        tokenizer.apply_chat_template([dict(role="user", content="hi")], chat_template=template, tokenize=False)
+
+
 def test_chat_needs_a_template(exec_stub, chat_model, tiny_chat_dir, tmp_path):
     bare = tmp_path / "no-template"
     shutil.copytree(tiny_chat_dir, bare)
