@@ -5,8 +5,9 @@ operator chose; transformers' ``apply_chat_template`` renders it. Templates are 
 in jinja2's ``ImmutableSandboxedEnvironment`` (``transformers/utils/chat_template_utils.py``,
 ``_cached_compile_jinja_template``, read in 5.24; tests/test_sampling_options.py checks it on the transformers that
 runs them): a template reads the messages and calls what transformers gives it (``raise_exception``,
-``strftime_now``, ``tojson``), but cannot reach Python attributes, modules or files, nor change what it is given. The messages are the client's: bounded in number and size here before
-rendering, and the rendered text bounded before it is tokenized.
+``strftime_now``, ``tojson``), but cannot reach Python attributes, modules or files, nor change what it is given.
+The messages are the client's: bounded in number and size here before rendering, and the rendered text bounded
+before it is tokenized.
 """
 
 import jinja2
