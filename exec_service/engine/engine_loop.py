@@ -189,6 +189,8 @@ class Engine:
             seq.finish(FinishReason.STOP)
             self.scheduler.drop(seq)
         self._streams.pop(seq, None)
+        for sibling in self._release_held(seq):  # none once it has output, but never left waiting for it
+            self.scheduler.add(sibling)
 
     def _finish(self, step: LaunchedStep) -> None:
         """Read a launched step's tokens (the sync), append them and hand them to their streams."""

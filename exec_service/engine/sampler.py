@@ -73,7 +73,9 @@ def sample(logits: torch.Tensor, params: SamplingTensors, options: SamplingOptio
     if options is not None:
         logits = logits.clone()
         if options.banned is not None:
-            logits.index_put_(options.banned, torch.tensor(float("-inf"), device=logits.device))
+            # torch.full fills on the device; torch.tensor(value, device=...) would copy from pageable memory and
+            # wait for the step in flight.
+            logits.index_put_(options.banned, torch.full((), float("-inf"), device=logits.device))
         if options.penalties is not None:
             _penalise(logits, options.penalties)
     greedy = logits.argmax(dim=-1)

@@ -62,28 +62,29 @@ def sampling_options(entries: Rows[ScheduledSequence], last_input_ids: torch.Ten
 def _penalties(entries: list[ScheduledSequence], rows: list[int], last_input_ids: torch.Tensor,
                vocab_size: int) -> Penalties:
     device = last_input_ids.device
-    out_rows, out_ids, seen_rows, seen_ids, last_is_output = [], [], [], [], []
+    params = [e.seq.params for e in entries]
+    with_prompt = any(p.repetition_penalty != 1.0 for p in params)  # only the repetition penalty reads the prompt
+    out_rows, out_ids, prompt_rows, prompt_ids, last_is_output = [], [], [], [], []
     for i, entry in enumerate(entries):
         seq, before_last = entry.seq, entry.end - 1
-        prompt_end = min(seq.num_prompt_tokens, before_last)
-        seen_ids += seq.token_ids[:prompt_end]
-        seen_rows += [i] * prompt_end
+        if with_prompt:
+            prompt_end = min(seq.num_prompt_tokens, before_last)
+            prompt_ids += seq.token_ids[:prompt_end]
+            prompt_rows += [i] * prompt_end
         output = seq.token_ids[seq.num_prompt_tokens:before_last]
         out_ids += output
         out_rows += [i] * len(output)
         last_is_output.append(before_last >= seq.num_prompt_tokens)
-    num = len(entries)
+    num, one = len(entries), torch.ones((), device=device)
     counts = torch.zeros(num, vocab_size, dtype=torch.float32, device=device)
-    counts.index_put_((_to_device(out_rows, device), _to_device(out_ids, device)),
-                      torch.ones((), device=device), accumulate=True)
+    counts.index_put_((_to_device(out_rows, device), _to_device(out_ids, device)), one, accumulate=True)
     in_prompt = torch.zeros(num, vocab_size, dtype=torch.float32, device=device)
-    in_prompt.index_put_((_to_device(seen_rows, device), _to_device(seen_ids, device)), torch.ones((), device=device))
+    in_prompt.index_put_((_to_device(prompt_rows, device), _to_device(prompt_ids, device)), one)
     rows_t = _to_device(rows, device)
     last = last_input_ids.index_select(0, rows_t)[:, None]
     is_output = _to_device(last_is_output, device, torch.float32)[:, None]
     counts.scatter_add_(1, last, is_output)
     in_prompt.scatter_add_(1, last, 1 - is_output)
-    params = [e.seq.params for e in entries]
     floats = _to_device([v for p in params for v in (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)],
                         device, torch.float32).view(num, 3)
     return Penalties(rows_t, floats[:, 0], floats[:, 1], floats[:, 2], counts, (in_prompt + counts) > 0)
