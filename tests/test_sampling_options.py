@@ -291,6 +291,8 @@ def test_n_with_stop_strings_ends_each_sequence_on_its_own(exec_stub, chat_model
      "messages: the chat template of 'tiny-chat' refused them: 'a chat opens with system or user'"),
     (dict(messages=[exec_pb2.ChatMessage(role="user", content="x" * 40000)]), "messages: 40000 characters"),
     (dict(messages=[exec_pb2.ChatMessage(role="user", content="hi")] * 1025), "messages: 1025 messages"),
+    # 16,000 characters of content, under the 32 a token of max_model_len 512 allows; the template's own text is not.
+    (dict(messages=[exec_pb2.ChatMessage(role="user", content="x" * 16)] * 1000), "messages: the rendered chat is"),
     (dict(messages=[exec_pb2.ChatMessage(role="user", content="hi")], prompt="hello"),
      "prompt: set exactly one of prompt, prompt_ids and messages, not prompt and messages"),
 ])
