@@ -469,3 +469,16 @@ def test_streams_with_cuda_graphs_equal_caching_off(gpu_stub, cases, shared_pref
     for model in ("gpu-off", "gpu-on", "gpu-small"):
         wait_until_free(gpu_stub, model)
         gpu_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=model))
+
+
+def test_the_sequences_of_one_request_share_its_prompts_blocks(exec_stub, tiny_key):
+    """n = 3: the first sequence computes the prompt, the other two take its full blocks from the cache."""
+    load_model(exec_stub, "pc-n")
+    try:
+        request = exec_pb2.GenerateRequest(model="pc-n", prompt_ids=list(range(3, 60)), max_tokens=4, temperature=1.0,
+                                           seed=5, ignore_eos=True, n=3)
+        cached = {r.index: r.usage.cached_tokens for r in exec_stub.Generate(request) if r.finish_reason}
+        assert cached == {0: 0, 1: 48, 2: 48}
+        wait_until_free(exec_stub, "pc-n")
+    finally:
+        exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="pc-n"))
