@@ -2,6 +2,7 @@
 prefill after its cached prefix, attention over cached context as a later chunk of a chunked prefill; then real
 servers, caching on against caching off, token for token."""
 
+import asyncio
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -10,16 +11,21 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
-from conftest import load_model
+from conftest import TINY_MODEL, load_model
+from test_engine import CONFIG, FailingOnce, outcome
 from test_kv_window import load_windowed, window_dirs  # noqa: F401  (a fixture)
 
 from exec_service.engine.block_hash import block_hash, extend_chain, model_root
 from exec_service.engine.block_manager import BlockManager
+from exec_service.engine.engine_loop import Engine
+from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.engine.step_inputs import StepBuffers
+from exec_service.startup import kv_sizing
 from kiln.attention import reference as attention_reference
 from kiln.attention.forward_context import AttentionMetadata
+from kiln.model.spec import resolve
 from protos import common_pb2, exec_pb2
 
 ROOT = model_root({"model": "test"})
@@ -214,6 +220,44 @@ def test_triton_attends_a_cache_hit_as_the_whole_prefill():
     whole = triton_kernels.paged_attention(q, k, v, cache, meta(0), 0.125)
     hit = triton_kernels.paged_attention(q[48:], k[48:], v[48:], cache, meta(48), 0.125)
     torch.testing.assert_close(hit, whole[48:], atol=2e-3, rtol=2e-3)
+
+
+def tiny_engine(prefix_root: bytes | None) -> Engine:
+    """The eager tiny model in process (tests/test_engine.py's), its steps failing on demand."""
+    runner = ModelRunner(resolve(TINY_MODEL, "cpu"), CONFIG)
+    runner.load_weights("dummy", 0)
+    runner.allocate_kv_cache(kv_sizing.num_blocks(kv_sizing.memory_budget(CONFIG, runner.weights_bytes, 0),
+                                                  runner.kv_cache_spec, CONFIG.max_model_len))
+    runner.execute = FailingOnce(runner.execute)
+    engine = Engine("tiny", runner, CONFIG, frozenset(), prefix_root=prefix_root)
+    engine.start()
+    return engine
+
+
+def test_after_a_failed_step_no_block_it_registered_is_reused():
+    """The failed step had registered its prompt's full blocks, which it never wrote: the same prompt again
+    computes them (cached_tokens 0) and equals caching off."""
+    prompt = list(range(3, 53))  # 3 full blocks of 16
+    cached, off = tiny_engine(ROOT), tiny_engine(None)
+
+    def request(request_id: str) -> Sequence:
+        return Sequence(request_id, list(prompt), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                        max_model_len=CONFIG.max_model_len)
+
+    async def run():
+        cached.runner.execute.arm(1)
+        failed = await outcome(cached, request("failed"))
+        again = request("again")
+        return failed, await outcome(cached, again), again, await outcome(off, request("off"))
+
+    try:
+        failed, again, seq, expected = asyncio.run(run())
+    finally:
+        cached.stop()
+        off.stop()
+    assert failed[1] is not None and again[1] is None and expected[1] is None
+    assert seq.num_cached_tokens == 0 and again[0] == expected[0]
+    assert cached.num_free_blocks == cached.runner.num_blocks
 
 
 # Real servers: the session's exec server, the tiny model with caching off, on, and on with a small cache.
