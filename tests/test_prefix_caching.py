@@ -150,6 +150,24 @@ def test_a_windowed_hit_takes_only_the_blocks_its_window_reads():
     assert manager.num_free_blocks == 16
 
 
+def test_a_windowed_hit_needs_only_the_last_blocks_and_those_are_evicted_last():
+    manager = BlockManager(num_blocks=10, block_size=4, window=6, prefix_root=ROOT)
+    first = seq("first", list(range(30)))
+    prefill(manager, first)
+    blocks = first.block_table[:7]
+    manager.free_outside_window(first)  # blocks 0-5 fall out of the window of the query at 30, oldest first
+    assert first.block_table[:6] == [manager.null_block] * 6
+    manager.free(first)
+    manager.allocate(seq("taker", [99] * 24), 24)  # 6 blocks: the 3 known by nothing, then blocks 0, 1 and 2
+    assert manager.evicted_blocks == 3
+    later = seq("later", list(range(30)))
+    assert manager.cached_prefix(later) == [manager.null_block] * 5 + blocks[5:7], "blocks 5 and 6 are enough"
+    # Diverging in block 5: the longest end whose window is all cached is 5 blocks (the query at 20 reads 3 and 4).
+    diverging = seq("diverging", [*range(22), 99, *range(23, 30)])
+    assert manager.cached_prefix(diverging) == [manager.null_block] * 3 + blocks[3:5]
+    assert BlockManager(10, 4, prefix_root=ROOT).cached_prefix(later) == []
+
+
 def test_the_scheduler_starts_a_prefill_after_its_cached_prefix_and_chunks_the_rest():
     manager = BlockManager(num_blocks=32, block_size=4, prefix_root=ROOT)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=8)

@@ -11,8 +11,8 @@ logits it samples from), so the step computes only the rest: the same path as a 
 
 With a KV window (every layer of the model has a sliding window; kiln.attention.windows), a block whose tokens are
 all older than the window of a sequence's next query is never read again: the sequence lets go of it while it runs,
-and its entry in the block table points at the null block instead (vLLM's SlidingWindowManager); a cache hit takes
-only the blocks its window reaches. The null block is the cache's last block, held by no sequence and never written;
+and its entry in the block table points at the null block instead (vLLM's SlidingWindowManager); a cache hit needs
+and takes only the blocks its window reaches. The null block is the cache's last block, held by no sequence and never written;
 the kernels never read a position outside a query's window, so they never read it either. The table keeps its
 length, so a token's slot is still ``table[position // block_size]``.
 """
@@ -88,38 +88,47 @@ class BlockManager:
         return self.blocks_missing(seq, num_tokens) <= self.num_free_blocks
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks of the longest run of ``seq``'s full blocks found from its first, leaving its last
-        token to compute; nothing is taken yet (``take_cached``). Empty without caching or once it holds blocks."""
+        """The blocks of the longest cached prefix of ``seq``'s full blocks, leaving its last token to compute;
+        nothing is taken yet (``take_cached``). Empty without caching or once it holds blocks.
+
+        Without a window, the longest run of cached blocks from the first. With one, a prefix of ``n`` blocks needs
+        only the blocks the window of the query at ``n * block_size`` reads (vLLM's SlidingWindowManager): the
+        longest such ``n``, its earlier entries the null block.
+        """
         if not self.caching or seq.block_table:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         extend_chain(seq.block_hashes, self.prefix_root, seq.token_ids, self.block_size, limit)
-        blocks = []
-        for block_hash in seq.block_hashes[:limit]:
-            block = self._by_hash.get(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        found = [self._by_hash.get(block_hash) for block_hash in seq.block_hashes[:limit]]
+        if not self.window:
+            end = found.index(None) if None in found else limit
+            return found[:end]
+        run = [0] * (limit + 1)  # run[i]: cached blocks in a row from block i
+        for index in range(limit - 1, -1, -1):
+            run[index] = run[index + 1] + 1 if found[index] is not None else 0
+        for end in range(limit, 0, -1):
+            first = self._first_in_window(end * self.block_size)
+            if run[first] >= end - first:
+                return [self.null_block] * first + found[first:end]
+        return []
 
     def can_admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
         """Whether ``seq``, taking the ``cached`` blocks, gets blocks for ``num_tokens`` tokens: a cached block no
         one holds is one of the free blocks."""
-        kept = cached[self._first_in_window(len(cached) * self.block_size):]
+        kept = cached[self._first_in_window(len(cached) * self.block_size):]  # the rest are null
         taken_from_free = sum(self._refs[block] == 0 for block in kept)
         needed = self.blocks_for(num_tokens) - len(cached) + taken_from_free
         return needed <= self.num_free_blocks
 
     def take_cached(self, seq: Sequence, cached: list[int]) -> int:
         """Give ``seq`` (holding nothing) the ``cached`` blocks of ``cached_prefix``, as computed tokens; returns
-        their token count. With a window, the blocks already out of its next query's window stay behind (null)."""
+        their token count. With a window, the entries before its next query's window are the null block."""
         num_tokens = len(cached) * self.block_size
-        first = self._first_in_window(num_tokens)
-        for block in cached[first:]:
+        for block in cached[self._first_in_window(num_tokens):]:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-        seq.block_table.extend([self.null_block] * first + cached[first:])
+        seq.block_table.extend(cached)
         seq.num_computed_tokens = num_tokens
         self._registered[seq] = len(cached)
         self.queried_tokens += seq.num_tokens
@@ -176,17 +185,19 @@ class BlockManager:
         if not self.window:
             return
         table = seq.block_table
-        for index in range(min(self._first_in_window(seq.num_computed_tokens), len(table)) - 1, -1, -1):
-            if table[index] == self.null_block:  # the ones before it were let go by an earlier call
-                break
+        end = min(self._first_in_window(seq.num_computed_tokens), len(table))
+        start = end
+        while start > 0 and table[start - 1] != self.null_block:  # the ones before were let go by an earlier call
+            start -= 1
+        for index in range(start, end):  # oldest first, the first of them evicted: a windowed hit needs the last
             self._release(table[index])
             table[index] = self.null_block
 
     def free(self, seq: Sequence) -> None:
         """Let go of every block of ``seq``: its keys and values are recomputed if it runs again, or found in the
-        cache. Its last blocks go first to the cached free blocks' eviction end: without its first blocks, a later
-        prompt could not reach them."""
-        for block in reversed(seq.block_table):
+        cache. Without a window its last blocks go nearest the cached free blocks' eviction end (a prefix without
+        its first blocks reaches none), with one its first (a windowed hit needs a prefix's last blocks)."""
+        for block in (seq.block_table if self.window else reversed(seq.block_table)):
             if block != self.null_block:
                 self._release(block)
         self._registered.pop(seq, None)
