@@ -12,9 +12,9 @@ logits it samples from), so the step computes only the rest: the same path as a 
 With a KV window (every layer of the model has a sliding window; kiln.attention.windows), a block whose tokens are
 all older than the window of a sequence's next query is never read again: the sequence lets go of it while it runs,
 and its entry in the block table points at the null block instead (vLLM's SlidingWindowManager); a cache hit needs
-and takes only the blocks its window reaches. The null block is the cache's last block, held by no sequence and never written;
-the kernels never read a position outside a query's window, so they never read it either. The table keeps its
-length, so a token's slot is still ``table[position // block_size]``.
+and takes only the blocks its window reaches. The null block is the cache's last block, held by no sequence and
+never written; the kernels never read a position outside a query's window, so they never read it either. The table
+keeps its length, so a token's slot is still ``table[position // block_size]``.
 """
 
 from collections import OrderedDict, deque
@@ -45,7 +45,7 @@ class BlockManager:
         self._by_hash: dict[bytes, int] = {}
         self._empty: deque[int] = deque(range(num_blocks))  # free and known by no content: handed out first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free, still known by content; least recent first
-        self._registered: dict[Sequence, int] = {}  # leading blocks of each sequence's table looked at by register
+        self._registered: dict[Sequence, int] = {}  # how many leading blocks of its table register has seen
         self.peak_used_blocks = 0  # the most blocks held at once since the start
         self.queried_tokens = 0
         self.hit_tokens = 0
