@@ -62,6 +62,7 @@ class RequestTiming:
     arrivals: list[float] = field(default_factory=list)  # each message that carried tokens
     output_tokens: int = 0
     done: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the execute service found in its prefix cache (the last message's usage)
 
 
 async def load(stub, request) -> dict:
@@ -96,11 +97,11 @@ class GrpcBackend:
     async def prepare(self, count: int) -> None:
         pass
 
-    async def tokens(self, prompt: list[int], output_len: int) -> AsyncIterator[int]:
-        """The number of tokens in each message, as it arrives."""
+    async def tokens(self, prompt: list[int], output_len: int) -> AsyncIterator[tuple[int, int | None]]:
+        """Each message as it arrives: its tokens, and the prompt tokens found in the prefix cache (on the last)."""
         async for response in self.stub.Generate(exec_pb2.GenerateRequest(
                 model=self.model, prompt_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)):
-            yield len(response.token_ids)
+            yield len(response.token_ids), response.usage.cached_tokens if response.HasField("usage") else None
 
 
 class OpenAIBackend:
@@ -115,12 +116,15 @@ class OpenAIBackend:
     async def prepare(self, count: int) -> None:
         await self.client.open(count)
 
-    async def tokens(self, prompt: list[int], output_len: int) -> AsyncIterator[int]:
+    async def tokens(self, prompt: list[int], output_len: int) -> AsyncIterator[tuple[int, int | None]]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "return_token_ids": True}
         async for chunk in self.client.events("/v1/completions", body):
             for choice in chunk["choices"]:
-                yield len(choice["token_ids"])
+                yield len(choice["token_ids"]), None
+            if chunk.get("usage"):
+                yield 0, chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 async def send_all(backend, prompts: list[list[int]], output_len: int, offsets: list[float]
@@ -130,10 +134,12 @@ async def send_all(backend, prompts: list[list[int]], output_len: int, offsets: 
     async def one(prompt: list[int], offset: float) -> RequestTiming:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         timing = RequestTiming(len(prompt), time.perf_counter())
-        async for count in backend.tokens(prompt, output_len):
+        async for count, cached in backend.tokens(prompt, output_len):
             if count:
                 timing.arrivals.append(time.perf_counter())
                 timing.output_tokens += count
+            if cached is not None:
+                timing.cached_tokens = cached
         timing.done = time.perf_counter()
         return timing
 

@@ -111,6 +111,8 @@ def _engine_loads(servicer: ExecServicer) -> list[EngineLoad]:
         started = served.started
         if started is not None:
             engine = started.engine
+            blocks = engine.block_manager
             loads.append(EngineLoad(served.name, engine.num_running, engine.num_waiting, engine.num_free_blocks,
-                                    started.sizing.num_kv_blocks))
+                                    started.sizing.num_kv_blocks, blocks.queried_tokens, blocks.hit_tokens,
+                                    blocks.num_cached_blocks, blocks.evicted_blocks))
     return loads

@@ -310,6 +310,21 @@ def test_two_replicas_behind_one_gateway_both_serve(client, replicas):
     assert sum(served) == 6 and all(n > 0 for n in served), served
 
 
+def test_cached_tokens_are_the_prefix_cache_hits(client, replicas, tokenizer):
+    """usage.prompt_tokens_details.cached_tokens is what the execute service found in its prefix cache, and the
+    replicas' kiln:prefix_cache_hits_total grows by exactly that much."""
+    def hits():
+        return sum(sample(scrape(r.metrics.port), "kiln:prefix_cache_hits_total", model_name=MODEL) for r in replicas)
+
+    prompt = " ".join(["the kiln serves every prompt it has seen before from its cache"] * 6)  # several blocks
+    before = hits()
+    cached = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).usage.prompt_tokens_details
+              .cached_tokens for _ in range(3)]  # round-robin: the third lands where the first did
+    assert cached[0] == 0 and cached[2] > 0 and all(c % 16 == 0 for c in cached)  # whole blocks of 16 tokens
+    assert cached[2] < len(tokenizer.encode(prompt))
+    assert hits() - before == sum(cached)
+
+
 def test_a_client_that_leaves_a_stream_cancels_its_request(client, replicas):
     def cancelled():
         return sum(sample(scrape(r.metrics.port), "kiln:requests_total", model_name=MODEL, status="cancelled")

@@ -73,7 +73,9 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
     return EngineConfig(device=device, runtime_mode=mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=request.max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
-                        capture_sizes=capture_sizes, max_num_waiting=max_num_waiting)
+                        capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
+                        enable_prefix_caching=not request.HasField("enable_prefix_caching")
+                        or request.enable_prefix_caching)
 
 
 def model_name(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel) -> str:

@@ -18,6 +18,7 @@ class EngineConfig:
     kv_cache_bytes: int  # the CPU budget, or a cap on CUDA (0: none)
     capture_sizes: tuple[int, ...]
     max_num_waiting: int
+    enable_prefix_caching: bool = True  # full KV blocks known by content and reused by later prompts
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -60,20 +60,27 @@ class Choice:
 
 @dataclass
 class UsageCount:
-    """Tokens of a whole body: each prompt once, every sequence's output."""
+    """Tokens of a whole body: each prompt once (with what its first prefill found in the prefix cache), every
+    sequence's output."""
 
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> its tokens
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> of those, found in the cache
     completion_tokens: int = 0
 
     def add(self, prompt: int, response: exec_pb2.GenerateResponse) -> None:
         if response.HasField("usage"):
             self.prompt_tokens[prompt] = response.usage.prompt_tokens
+            # The first of a prompt's n sequences computes its prefill; the others find it cached: the prompt's
+            # figure is what its first sequence found.
+            self.cached_tokens[prompt] = min(self.cached_tokens.get(prompt, response.usage.cached_tokens),
+                                             response.usage.cached_tokens)
             self.completion_tokens += response.usage.output_tokens
 
     def body(self) -> dict:
         prompt_tokens = sum(self.prompt_tokens.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt_tokens + self.completion_tokens}
+                "total_tokens": prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
 
 class Completion:

@@ -4,14 +4,15 @@ for one read the other.
 Fed by the observers that already exist: every engine step (forward time by batch size and phase), every request
 as its span ends (status and finish reason, tokens, time to first token, time per output token, end-to-end and
 queue time, preemptions), and, when Prometheus scrapes, the served models' engines (requests running and
-waiting, KV blocks used and free). Everything lives in the registry it is given: one per server.
+waiting, KV blocks used and free, prefix-cache queries and hits). Everything lives in the registry it is given: one
+per server.
 """
 
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from exec_service.engine.sequence import Sequence
@@ -38,6 +39,10 @@ class EngineLoad(NamedTuple):
     num_waiting: int
     num_free_blocks: int
     num_blocks: int
+    prefix_cache_queried_tokens: int  # since the model was loaded
+    prefix_cache_hit_tokens: int
+    prefix_cache_blocks: int  # now
+    prefix_cache_evicted_blocks: int  # since the model was loaded
 
 
 class ExecMetrics:
@@ -99,7 +104,9 @@ class ExecMetrics:
 
 
 class _EngineGauges(Collector):
-    """Requests running and waiting, KV blocks used and free: read from the engines when scraped, never stale."""
+    """Requests running and waiting, KV blocks used and free, the prefix cache's counters: read from the engines
+    when scraped, never stale (the counters start again at 0 when a model is loaded again, as Prometheus expects of
+    a restart)."""
 
     def __init__(self, loads: Callable[[], Iterable[EngineLoad]]):
         self._loads = loads
@@ -112,10 +119,22 @@ class _EngineGauges(Collector):
         free = GaugeMetricFamily("kiln:kv_blocks_free", "KV cache blocks free", labels=[MODEL])
         usage = GaugeMetricFamily("kiln:kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (0 to 1)",
                                   labels=[MODEL])
+        queries = CounterMetricFamily("kiln:prefix_cache_queries", "Prompt tokens whose prefill looked in the "
+                                      "prefix cache", labels=[MODEL])
+        hits = CounterMetricFamily("kiln:prefix_cache_hits", "Of those, tokens found there (not computed)",
+                                   labels=[MODEL])
+        cached = GaugeMetricFamily("kiln:prefix_cache_blocks", "KV blocks known by their content (held, or free "
+                                   "until evicted)", labels=[MODEL])
+        evicted = CounterMetricFamily("kiln:prefix_cache_evicted_blocks", "Cached free blocks handed out for new "
+                                      "content", labels=[MODEL])
         for load in self._loads():
             running.add_metric([load.model], load.num_running)
             waiting.add_metric([load.model], load.num_waiting)
             used.add_metric([load.model], load.num_blocks - load.num_free_blocks)
             free.add_metric([load.model], load.num_free_blocks)
             usage.add_metric([load.model], (load.num_blocks - load.num_free_blocks) / max(load.num_blocks, 1))
-        return [running, waiting, used, free, usage]
+            queries.add_metric([load.model], load.prefix_cache_queried_tokens)
+            hits.add_metric([load.model], load.prefix_cache_hit_tokens)
+            cached.add_metric([load.model], load.prefix_cache_blocks)
+            evicted.add_metric([load.model], load.prefix_cache_evicted_blocks)
+        return [running, waiting, used, free, usage, queries, hits, cached, evicted]
