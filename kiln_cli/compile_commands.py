@@ -65,7 +65,8 @@ def add_compile_config_args(p) -> None:
     p.add_argument("--dtype", default="", help="float32, bfloat16 or float16 (default: by device)")
     p.add_argument("--device", default="", help="cpu or cuda (default: cuda when the server has one)")
     p.add_argument("--compile-sizes", default="", help="comma-separated token counts compiled statically")
-    p.add_argument("--max-num-batched-tokens", type=int, default=0)
+    p.add_argument("--max-compiled-tokens", type=int, default=0,
+                   help="upper end of the compiled token range, a cache-key factor (default: 512)")
     p.add_argument("--splitting-ops", default=None,
                    help="comma-separated ops to split at ('' for one full graph; default: Kiln's attention)")
     p.add_argument("--inductor-config", default="", help="Inductor config patches as a JSON object")
@@ -81,7 +82,7 @@ def model_spec(model: str, dtype: str) -> common_pb2.ModelSpec:
 def compile_config(args) -> common_pb2.CompileConfig:
     config = common_pb2.CompileConfig(
         compile_sizes=[int(s) for s in args.compile_sizes.split(",") if s.strip()],
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_compiled_tokens=args.max_compiled_tokens,
         inductor_config_patches_json=args.inductor_config, device=args.device)
     if args.splitting_ops is not None:
         config.splitting_ops.ops.extend(op for op in args.splitting_ops.split(",") if op)

@@ -55,6 +55,9 @@ def register(subparsers) -> None:
     p.add_argument("--key", default="", help="load this bundle instead of compiling from the config")
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="the scheduler's step budget, up to --max-compiled-tokens; not a key factor: any budget "
+                        "loads the same bundle (default: the compiled range)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.0)
     p.add_argument("--kv-cache-bytes", type=int, default=0, help="KV budget on CPU, a cap on CUDA")
     p.add_argument("--block-size", type=int, default=0)

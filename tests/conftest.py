@@ -13,7 +13,7 @@ from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2_grpc
 
 # The compile config every test shares, so the tiny model compiles once per session.
 TINY_MODEL = common_pb2.ModelSpec(preset="tiny-llama")
-TINY_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[8], max_num_batched_tokens=128)
+TINY_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[8], max_compiled_tokens=128)
 # A torch version no machine runs: a bundle factor that differs from this process's, whichever torch it has.
 ANOTHER_TORCH = "0.0.0"
 

@@ -1,0 +1,46 @@
+"""The step budget (LoadModelRequest.max_num_batched_tokens, the scheduler's) and the compiled token range
+(CompileConfig.max_compiled_tokens, a key factor) are two settings: any budget within the range loads one bundle."""
+
+import grpc
+import pytest
+
+from conftest import TINY_CONFIG, load_model
+from kiln.compilation.config import CompileConfig
+from kiln.errors import InvalidArgument
+from protos import common_pb2
+
+
+def test_two_budgets_over_one_compiled_range_load_one_bundle(exec_stub, tiny_key):
+    """Budgets 64 and 128 over the session's range of 128: both serve the session's one compile (its key), each
+    scheduling the budget it asked for."""
+    for budget in (64, 128):
+        events = load_model(exec_stub, f"tiny-budget-{budget}", max_num_batched_tokens=budget)
+        sizing = events[-1].ready
+        assert sizing.key.digest == tiny_key
+        assert sizing.max_num_batched_tokens == budget
+        fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch" and not e.phase.progress)
+        assert "local cache" in fetch.detail or "downloaded" in fetch.detail, fetch.detail
+
+
+def test_a_budget_over_the_compiled_range_is_refused_at_the_edge(exec_stub):
+    with pytest.raises(grpc.RpcError) as exc:
+        load_model(exec_stub, "tiny-budget-too-big", max_num_batched_tokens=TINY_CONFIG.max_compiled_tokens + 1)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_num_batched_tokens: 129 is outside [2, 128]" in exc.value.details()
+
+
+def test_the_old_name_of_the_compiled_range_still_reads():
+    """Requests and --load JSON written before the split set CompileConfig.max_num_batched_tokens (field 3)."""
+    legacy = common_pb2.CompileConfig(device="cpu", max_num_batched_tokens=64)
+    assert CompileConfig.from_proto(legacy).max_compiled_tokens == 64
+    both = common_pb2.CompileConfig(device="cpu", max_num_batched_tokens=64, max_compiled_tokens=64)
+    assert CompileConfig.from_proto(both).max_compiled_tokens == 64
+    with pytest.raises(InvalidArgument, match="config.max_num_batched_tokens: 64 differs"):
+        CompileConfig.from_proto(common_pb2.CompileConfig(device="cpu", max_num_batched_tokens=64,
+                                                          max_compiled_tokens=128))
+
+
+@pytest.mark.parametrize("value", [1, 131073, -5])
+def test_the_compiled_range_is_bounded(value):
+    with pytest.raises(InvalidArgument, match=f"config.max_compiled_tokens: {value} is outside"):
+        CompileConfig.from_proto(common_pb2.CompileConfig(device="cpu", max_compiled_tokens=value))
