@@ -299,7 +299,7 @@ def test_health_and_reflection(compile_server):
 def test_cli_compile_reports_key_and_timings(compile_server, tiny_key):
     proc = subprocess.run([sys.executable, "-m", "kiln_cli", "compile", "tiny-llama", "--server",
                            compile_server.address, "--device", "cpu", "--compile-sizes", "8",
-                           "--max-num-batched-tokens", "128", "--json"],
+                           "--max-compiled-tokens", "128", "--json"],
                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,8 +3,8 @@
 
 import grpc
 import pytest
-
 from conftest import TINY_CONFIG, load_model
+
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument
 from protos import common_pb2
@@ -18,7 +18,8 @@ def test_two_budgets_over_one_compiled_range_load_one_bundle(exec_stub, tiny_key
         sizing = events[-1].ready
         assert sizing.key.digest == tiny_key
         assert sizing.max_num_batched_tokens == budget
-        fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch" and not e.phase.progress)
+        fetch = next(e.phase for e in events
+                     if e.HasField("phase") and e.phase.phase == "fetch" and not e.phase.progress)
         assert "local cache" in fetch.detail or "downloaded" in fetch.detail, fetch.detail
 
 
