@@ -31,7 +31,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         help_text = action.help or ""
         if "%(default)" in help_text or "default:" in help_text or not action.option_strings:
             return help_text
-        if action.default in (None, False, "", argparse.SUPPRESS) or isinstance(action.default, list):
+        default = action.default
+        if default is None or default is False or default == "" or default == argparse.SUPPRESS or \
+                isinstance(default, list):
             return help_text
         return f"{help_text} (default: %(default)s)"
 

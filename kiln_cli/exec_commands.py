@@ -30,7 +30,7 @@ FINISH_REASONS = {exec_pb2.FINISH_REASON_STOP: "stop", exec_pb2.FINISH_REASON_LE
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("exec-server", help="run the execute service")
-    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--port", type=int, default=50052, help="port to listen on")
     p.add_argument("--compile-server", default="", help="compile service address; bundles are fetched from it")
     p.add_argument("--store", default=None,
                    help="a store shared with the compile services, read first: a directory or redis://HOST:PORT/DB")
