@@ -19,6 +19,19 @@ from kiln_cli.service_process import LocalServices
 from protos import exec_pb2, exec_pb2_grpc
 
 
+def step_seconds(address: str, request: exec_pb2.LoadModelRequest) -> dict[str, float]:
+    """One LoadModel; the seconds of each step inside its phases."""
+    seconds: dict[str, float] = {}
+
+    def step(phase: exec_pb2.StartupPhase) -> None:
+        if phase.progress and phase.step:
+            seconds[phase.step] = phase.seconds
+
+    with connect(address) as channel:
+        load(exec_pb2_grpc.ExecServiceStub(channel), request, step)
+    return seconds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
@@ -35,14 +48,7 @@ def main() -> None:
         services = LocalServices(workdir, tmp / "store")
         try:
             services.start(600)
-            seconds: dict[str, float] = {}
-
-            def step(phase: exec_pb2.StartupPhase) -> None:
-                if phase.progress and phase.step:
-                    seconds[phase.step] = phase.seconds
-
-            with connect(services.exec.address) as channel:
-                load(exec_pb2_grpc.ExecServiceStub(channel), request, step)
+            seconds = step_seconds(services.exec.address, request)
             services.stop()
         finally:
             services.cleanup()
