@@ -5,12 +5,11 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
+from kiln.client.channels import connect
 from kiln.client.compile import compile_model
 from kiln.client.load import load
-from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
 # The compile config every test shares, so the tiny model compiles once per session.
@@ -80,7 +79,7 @@ def compile_server(compile_store, signer):
 
 @pytest.fixture(scope="session")
 def compile_stub(compile_server):
-    channel = grpc.insecure_channel(compile_server.address, options=CHANNEL_OPTIONS)
+    channel = connect(compile_server.address)
     yield compile_pb2_grpc.CompileServiceStub(channel)
     channel.close()
 
@@ -175,7 +174,7 @@ def exec_server(compile_server, tiny_key, exec_cache, step_records, trusted_keys
 
 @pytest.fixture(scope="session")
 def exec_channel(exec_server):
-    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
+    channel = connect(exec_server.address)
     yield channel
     channel.close()
 
@@ -212,7 +211,7 @@ def gpu_stub(tmp_path_factory, signer, trusted_keys):
     settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
                                   cache_dir=tmp_path_factory.mktemp("cache"))
     exec_server = BackgroundServer(lambda: start_exec_server(settings))
-    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
+    channel = connect(exec_server.address)
     yield exec_pb2_grpc.ExecServiceStub(channel)
     channel.close()
     exec_server.stop()
