@@ -7,7 +7,7 @@ from conftest import TINY_CONFIG, load_model
 
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument
-from protos import common_pb2
+from protos import common_pb2, exec_pb2
 
 
 def test_two_budgets_over_one_compiled_range_load_one_bundle(exec_stub, tiny_key):
@@ -45,3 +45,23 @@ def test_the_old_name_of_the_compiled_range_still_reads():
 def test_the_compiled_range_is_bounded(value):
     with pytest.raises(InvalidArgument, match=f"config.max_compiled_tokens: {value} is outside"):
         CompileConfig.from_proto(common_pb2.CompileConfig(device="cpu", max_compiled_tokens=value))
+
+
+def test_the_engine_config_leaves_the_edge_complete():
+    """No field left for startup to fill in: the budget defaults to the compiled range, and CUDA-graph capture sizes
+    default to the decode batches that fit both max_num_seqs and the budget (checked on CPU: nothing runs)."""
+    from exec_service.api.load_request import engine_config
+    from kiln.model.roots import ModelRoots
+    from kiln.model.spec import resolve
+
+    resolved = resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cuda", ModelRoots.for_server((), loopback=True))
+    compiled = CompileConfig(device="cuda", max_compiled_tokens=128)
+    graphs = exec_pb2.RUNTIME_MODE_CUDAGRAPH
+    config = engine_config(exec_pb2.LoadModelRequest(runtime_mode=graphs), resolved, compiled)
+    assert config.max_num_batched_tokens == 128 and config.capture_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    config = engine_config(exec_pb2.LoadModelRequest(runtime_mode=graphs, max_num_batched_tokens=16), resolved,
+                           compiled)
+    assert config.max_num_batched_tokens == 16 and config.capture_sizes == (1, 2, 4, 8, 16)
+    with pytest.raises(InvalidArgument, match=r"capture_sizes: 32 is outside \[1, 16\]"):
+        engine_config(exec_pb2.LoadModelRequest(runtime_mode=graphs, max_num_batched_tokens=16, capture_sizes=[32]),
+                      resolved, compiled)
