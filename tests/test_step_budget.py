@@ -65,3 +65,19 @@ def test_the_engine_config_leaves_the_edge_complete():
     with pytest.raises(InvalidArgument, match=r"capture_sizes: 32 is outside \[1, 16\]"):
         engine_config(exec_pb2.LoadModelRequest(runtime_mode=graphs, max_num_batched_tokens=16, capture_sizes=[32]),
                       resolved, compiled)
+
+
+def test_by_key_the_budget_must_fit_the_bundles_own_range(exec_stub, tiny_key):
+    """By key the bundle's compile config governs: a budget within the request's range but past the bundle's is
+    refused once the bundle's factors are read."""
+    from kiln.client.load import load
+
+    config = common_pb2.CompileConfig(device="cpu", max_compiled_tokens=512)
+    request = exec_pb2.LoadModelRequest(name="tiny-by-key-budget", model=common_pb2.ModelSpec(preset="tiny-llama"),
+                                        config=config, key=common_pb2.ArtifactKey(digest=tiny_key),
+                                        max_num_batched_tokens=256)
+    with pytest.raises(grpc.RpcError) as exc:
+        load(exec_stub, request)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"max_num_batched_tokens: 256 exceeds bundle {tiny_key[:12]}'s compiled token range [1, 128]" in \
+        exc.value.details()
