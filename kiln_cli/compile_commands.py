@@ -6,10 +6,10 @@ from pathlib import Path
 
 import grpc
 
-from kiln.client import requests as client_requests
 from kiln.client.channels import connect
 from kiln.client.compile import compile_model
 from kiln.client.failures import COMPILE_SERVICE
+from kiln.client.requests import compile_config as build_compile_config
 from kiln.client.requests import model_spec
 from kiln.rpc.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, leave_unfinished_workers, serve_until_signal
 from kiln_cli import security_args
@@ -81,8 +81,9 @@ def add_compile_config_args(p) -> None:
 
 
 def compile_config(args) -> common_pb2.CompileConfig:
-    return client_requests.compile_config(args.device, args.compile_sizes, args.max_compiled_tokens,
-                                          args.splitting_ops, args.inductor_config)
+    """The CompileConfig the compile flags of ``kiln compile`` and ``kiln load`` describe."""
+    return build_compile_config(args.device, args.compile_sizes, args.max_compiled_tokens, args.splitting_ops,
+                                args.inductor_config)
 
 
 def run_compile_server(args) -> int:
