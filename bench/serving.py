@@ -32,10 +32,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import numpy as np
 
-from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.client.channels import connect_aio
+from kiln.client.compile import compile_model_async
+from kiln.client.load import load_async, phase_line
+from kiln.client.requests import compile_config, model_spec
 from kiln_cli.service_process import LocalServices
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
@@ -56,12 +58,13 @@ class RequestTiming:
 
 async def load(stub, request) -> dict:
     phases, started = {}, time.perf_counter()
-    async for event in stub.LoadModel(request):
-        if event.HasField("phase") and not event.phase.progress:
-            phases[event.phase.phase] = event.phase.seconds
-            print(f"  {event.phase.phase:<20} {event.phase.seconds:7.2f}s  {event.phase.detail}", flush=True)
-        elif event.HasField("ready"):
-            sizing = event.ready
+
+    def phase(p: exec_pb2.StartupPhase) -> None:
+        if not p.progress:
+            phases[p.phase] = p.seconds
+            print(phase_line(p), flush=True)
+
+    sizing = await load_async(stub, request, phase)
     phases["total"] = time.perf_counter() - started
     return {"phases": phases, "blocks": sizing.num_kv_blocks, "capture_sizes": list(sizing.capture_sizes)}
 
@@ -190,7 +193,7 @@ def print_result(r: dict) -> None:
 
 
 async def sweep(address: str, model: str, prompts: list[list[int]], args, exec_pid: int | None) -> list[dict]:
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    async with connect_aio(address) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
         await send_all(stub, model, prompts[:8], 8, [0.0] * min(8, len(prompts)))  # warm-up
         return [await run_rate(stub, model, prompts, args, rate, exec_pid) for rate in args.request_rate]
@@ -200,17 +203,16 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
     services = LocalServices(tmp, tmp / "store")
     try:
         services.start(300)
-        spec = common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype)
-        config = common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
-        async with grpc.aio.insecure_channel(services.compile.address, options=CHANNEL_OPTIONS) as channel:
+        spec = model_spec(args.preset, args.dtype)
+        config = compile_config(args.device, max_compiled_tokens=args.max_num_batched_tokens)
+        async with connect_aio(services.compile.address) as channel:
             started = time.perf_counter()
-            async for _ in compile_pb2_grpc.CompileServiceStub(channel).Compile(
-                    compile_pb2.CompileRequest(model=spec, config=config)):
-                pass
+            await compile_model_async(compile_pb2_grpc.CompileServiceStub(channel),
+                                      compile_pb2.CompileRequest(model=spec, config=config))
             cold_compile_s = time.perf_counter() - started
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
                                             max_model_len=args.max_prompt + args.output_len + 16)
-        async with grpc.aio.insecure_channel(services.exec.address, options=CHANNEL_OPTIONS) as channel:
+        async with connect_aio(services.exec.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             print("LoadModel (bundle downloaded from the compile service):")
             first = await load(stub, request)

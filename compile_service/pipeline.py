@@ -157,7 +157,7 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
 def _layer_examples(module: TokenModel, model: ResolvedModel, config: CompileConfig) -> list[tuple]:
     """The first layer of each kind with the inputs it receives in an eager forward, the token dimension of each
     marked dynamic over [1, max tokens]."""
-    tokens = min(TRACE_TOKENS, config.max_num_batched_tokens)
+    tokens = min(TRACE_TOKENS, config.max_compiled_tokens)
     ids = torch.randint(0, model.config.vocab_size, (tokens,), device=config.device)
     seen: dict[int, tuple] = {}
 
@@ -171,7 +171,7 @@ def _layer_examples(module: TokenModel, model: ResolvedModel, config: CompileCon
     for kind in range(module.layers.num_kinds):
         step, token_inputs = seen[kind]
         for tensor in token_inputs:  # [1, T, ...]
-            torch._dynamo.mark_dynamic(tensor, 1, min=1, max=config.max_num_batched_tokens)
+            torch._dynamo.mark_dynamic(tensor, 1, min=1, max=config.max_compiled_tokens)
         examples.append((step, (*token_inputs, step.index)))
     return examples
 
@@ -181,7 +181,7 @@ def _compile_layer(region: str, step: LayerStep, inputs: tuple, config: CompileC
     """Dynamo once over one layer, then the piecewise backend: the layer's aot-compiled function and the backend's
     stats. The code serves every layer of its kind, so it must not depend on the one it was traced on: a guard on
     the layer index (which the attention op takes as an input instead) refuses the compile."""
-    backend = PiecewiseBackend(region, config.splitting_ops, config.compile_sizes, config.max_num_batched_tokens,
+    backend = PiecewiseBackend(region, config.splitting_ops, config.compile_sizes, config.max_compiled_tokens,
                                config.inductor_config_patches, progress, first_piece)
     index_guards = []
 

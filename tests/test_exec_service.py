@@ -436,7 +436,7 @@ def test_cli_load_prints_each_phase(exec_server, tiny_loaded, capsys):
     from kiln_cli import main
 
     assert main(["load", exec_server.address, "tiny-llama", "--name", "tiny-cli", "--device", "cpu",
-                 "--compile-sizes", "8", "--max-num-batched-tokens", "128"]) == 0
+                 "--compile-sizes", "8", "--max-compiled-tokens", "128"]) == 0
     out = capsys.readouterr().out
     for phase in PHASES[:-1]:
         assert f"  {phase}  " in out

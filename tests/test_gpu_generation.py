@@ -37,11 +37,11 @@ def gpu_steps() -> list:
 
 @pytest.fixture(scope="module")
 def gpu_servers(tmp_path_factory, signer, trusted_keys, gpu_steps):
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
     from exec_service.server import ExecServerSettings, start_exec_server
 
-    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
-                                                                   signer=signer))
+    compile_server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", tmp_path_factory.mktemp("store"), signer)))
     settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
                                   cache_dir=tmp_path_factory.mktemp("cache"))
     exec_server = BackgroundServer(lambda: start_exec_server(settings, step_observers=[gpu_steps.append]))

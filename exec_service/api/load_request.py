@@ -5,7 +5,7 @@ import re
 from exec_service.api.runtime_modes import runtime_mode_from_proto
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.startup.load_model import LoadTarget
-from kiln.compilation.config import CompileConfig
+from kiln.compilation.config import MIN_COMPILED_TOKENS, CompileConfig
 from kiln.errors import InvalidArgument
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
@@ -31,11 +31,14 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
         weights = str(roots.check_dir(weights, "weights"))
     return LoadTarget(
         name=model_name(request, resolved), spec=request.model, resolved=resolved, compile_config=compile_config,
-        key=request.key.digest or None, engine_config=engine_config(request, resolved, compile_config.device),
+        key=request.key.digest or None, engine_config=engine_config(request, resolved, compile_config),
         weights=weights, weights_seed=request.weights_seed)
 
 
-def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, device: str) -> EngineConfig:
+def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
+                  compile_config: CompileConfig) -> EngineConfig:
+    """Complete: every default filled in, the step budget checked against the compiled range it will run in."""
+    device = compile_config.device
     mode = runtime_mode_from_proto(request.runtime_mode, device)
     if mode == RuntimeMode.CUDAGRAPH and device != "cuda":
         raise InvalidArgument("runtime_mode: cudagraph needs CUDA; this model runs on cpu")
@@ -47,8 +50,11 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
     max_num_seqs = request.max_num_seqs or DEFAULT_MAX_NUM_SEQS
     if max_num_seqs < 1:
         raise InvalidArgument(f"max_num_seqs: {max_num_seqs} must be positive")
-    if request.max_num_batched_tokens < 0:
-        raise InvalidArgument(f"max_num_batched_tokens: {request.max_num_batched_tokens} must be positive")
+    compiled = compile_config.max_compiled_tokens
+    max_num_batched_tokens = request.max_num_batched_tokens or compiled
+    if not MIN_COMPILED_TOKENS <= max_num_batched_tokens <= compiled:
+        raise InvalidArgument(f"max_num_batched_tokens: {max_num_batched_tokens} is outside [{MIN_COMPILED_TOKENS}, "
+                              f"{compiled}] (the compiled token range, config.max_compiled_tokens)")
     utilization = request.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     if not 0 < utilization <= 1:
         raise InvalidArgument(f"gpu_memory_utilization: {utilization} is outside (0, 1]")
@@ -60,19 +66,28 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
         raise InvalidArgument(f"block_size: {block_size} is not a power of two in [1, {MAX_BLOCK_SIZE}]")
     if request.capture_sizes and mode != RuntimeMode.CUDAGRAPH:
         raise InvalidArgument(f"capture_sizes: given, but runtime_mode is {mode}")
+    largest_batch = min(max_num_seqs, max_num_batched_tokens)  # a decode step holds one token per sequence
     for size in request.capture_sizes:
-        if not 1 <= size <= max_num_seqs:
-            raise InvalidArgument(f"capture_sizes: {size} is outside [1, max_num_seqs={max_num_seqs}]")
-    capture_sizes = tuple(sorted(set(request.capture_sizes))) if mode == RuntimeMode.CUDAGRAPH else ()
+        if not 1 <= size <= largest_batch:
+            raise InvalidArgument(f"capture_sizes: {size} is outside [1, {largest_batch}] (max_num_seqs "
+                                  f"{max_num_seqs}, max_num_batched_tokens {max_num_batched_tokens})")
+    capture_sizes = ()
+    if mode == RuntimeMode.CUDAGRAPH:
+        capture_sizes = tuple(sorted(set(request.capture_sizes))) or default_capture_sizes(largest_batch)
     max_num_waiting = request.max_num_waiting or DEFAULT_MAX_NUM_WAITING
     if max_num_waiting < 1:
         raise InvalidArgument(f"max_num_waiting: {max_num_waiting} must be positive")
     return EngineConfig(device=device, runtime_mode=mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=request.max_num_batched_tokens, block_size=block_size,
+                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
                         capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
                         enable_prefix_caching=not request.HasField("enable_prefix_caching")
                         or request.enable_prefix_caching)
+
+
+def default_capture_sizes(largest_batch: int) -> tuple[int, ...]:
+    """[1, 2, 4] and the multiples of 8, up to the largest decode batch."""
+    return tuple(s for s in (1, 2, 4, *range(8, largest_batch + 1, 8)) if s <= largest_batch)
 
 
 def model_name(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel) -> str:

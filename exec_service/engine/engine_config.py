@@ -1,8 +1,7 @@
 """How one model is served: the limits of its engine, checked at the API edge (exec_service.api.load_request)."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from kiln.errors import InvalidArgument
 from kiln.runtime_mode import RuntimeMode
 
 
@@ -12,7 +11,7 @@ class EngineConfig:
     runtime_mode: RuntimeMode
     max_model_len: int
     max_num_seqs: int
-    max_num_batched_tokens: int  # 0 until the bundle's compiled range is known
+    max_num_batched_tokens: int  # the scheduler's step budget, within the bundle's compiled token range
     block_size: int
     gpu_memory_utilization: float
     kv_cache_bytes: int  # the CPU budget, or a cap on CUDA (0: none)
@@ -23,18 +22,3 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
-
-    def within_token_range(self, compiled_max_tokens: int) -> "EngineConfig":
-        """Fill in the step token budget from the compiled range (or check it fits), and default capture sizes."""
-        tokens = self.max_num_batched_tokens or compiled_max_tokens
-        if tokens > compiled_max_tokens:
-            raise InvalidArgument(f"max_num_batched_tokens: {tokens} exceeds the bundle's compiled token range "
-                                  f"[1, {compiled_max_tokens}]")
-        capture_sizes = self.capture_sizes
-        if self.runtime_mode == RuntimeMode.CUDAGRAPH:
-            limit = min(self.max_num_seqs, tokens)
-            capture_sizes = capture_sizes or tuple(
-                s for s in (1, 2, 4, *range(8, self.max_num_seqs + 1, 8)) if s <= self.max_num_seqs)
-            if max(capture_sizes) > limit:
-                raise InvalidArgument(f"capture_sizes: {max(capture_sizes)} exceeds max_num_batched_tokens {tokens}")
-        return replace(self, max_num_batched_tokens=tokens, capture_sizes=capture_sizes)

@@ -90,9 +90,9 @@ class FetchedBundle:
     source: str
 
     @property
-    def max_num_batched_tokens(self) -> int:
+    def max_compiled_tokens(self) -> int:
         """Upper end of the compiled symbolic token range: no step may be larger."""
-        return self.factors["compile_config"]["max_num_batched_tokens"]
+        return self.factors["compile_config"]["max_compiled_tokens"]
 
 
 class BundleFetcher:

@@ -165,8 +165,9 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
                                     lambda detail: phases.progress("fetch", detail), deadline, phases.step)
             event.detail = f"{fetched.source}, key {fetched.key}"
             span.set_attributes({spans.CACHE_KEY: fetched.key, spans.SOURCE: fetched.source})
-    compiled_range = fetched.max_num_batched_tokens if fetched else target.compile_config.max_num_batched_tokens
-    config = config.within_token_range(compiled_range)
+    if fetched is not None and config.max_num_batched_tokens > fetched.max_compiled_tokens:
+        raise InvalidArgument(f"max_num_batched_tokens: {config.max_num_batched_tokens} exceeds bundle "
+                              f"{fetched.key[:12]}'s compiled token range [1, {fetched.max_compiled_tokens}]")
     runner = ModelRunner(target.resolved, config)
 
     # One model at a time from here to the engine, per process: the memory profile measures the device's peak,
