@@ -59,6 +59,9 @@ def register(subparsers) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=0, help="KV budget on CPU, a cap on CUDA")
     p.add_argument("--block-size", type=int, default=0)
     p.add_argument("--capture-sizes", default="", help="comma-separated batch sizes with a CUDA graph")
+    p.add_argument("--piecewise-capture-sizes", default="",
+                   help="comma-separated token counts with piecewise CUDA graphs for prefill and mixed steps; 0 turns "
+                        "them off (default: 8 ... 512, up to the step token budget)")
     p.add_argument("--max-num-waiting", type=int, default=0)
     p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
                    help="default: cudagraph on CUDA, compiled on CPU")
@@ -149,7 +152,8 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=_ints(args.capture_sizes), max_num_waiting=args.max_num_waiting,
-        runtime_mode=runtime_mode_to_proto(args.runtime_mode))
+        runtime_mode=runtime_mode_to_proto(args.runtime_mode),
+        piecewise_capture_sizes=_ints(args.piecewise_capture_sizes))
     if args.key:
         request.key.CopyFrom(common_pb2.ArtifactKey(digest=args.key))
     return request
@@ -267,9 +271,10 @@ def run_unload(args) -> int:
 def run_stats(args) -> int:
     def work(stub, out: Printer):
         response = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=args.model, reset=args.reset))
-        out.line(f"{'model':<20} {'batch':>5} {'count':>8} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8}  mode")
+        out.line(f"{'model':<20} {'batch':>5} {'phase':<7} {'path':<15} {'count':>8} {'median ms':>10} "
+                 f"{'p90 ms':>8} {'p99 ms':>8}  mode")
         for s in response.stats:
-            out.message(s, f"{s.model:<20} {s.batch_size:>5} {s.count:>8} {s.median_ms:>10.3f} {s.p90_ms:>8.3f} "
-                           f"{s.p99_ms:>8.3f}  {s.runtime_mode}")
+            out.message(s, f"{s.model:<20} {s.batch_size:>5} {s.phase:<7} {s.path:<15} {s.count:>8} "
+                           f"{s.median_ms:>10.3f} {s.p90_ms:>8.3f} {s.p99_ms:>8.3f}  {s.runtime_mode}")
 
     return _call(args, work)

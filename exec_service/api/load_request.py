@@ -19,6 +19,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 64 << 20
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_WAITING = 256
 MAX_BLOCK_SIZE = 256
+MAX_PIECEWISE_CAPTURE_SIZES = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -64,13 +65,37 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
         if not 1 <= size <= max_num_seqs:
             raise InvalidArgument(f"capture_sizes: {size} is outside [1, max_num_seqs={max_num_seqs}]")
     capture_sizes = tuple(sorted(set(request.capture_sizes))) if mode == RuntimeMode.CUDAGRAPH else ()
+    piecewise = piecewise_capture_sizes(request, mode)
     max_num_waiting = request.max_num_waiting or DEFAULT_MAX_NUM_WAITING
     if max_num_waiting < 1:
         raise InvalidArgument(f"max_num_waiting: {max_num_waiting} must be positive")
     return EngineConfig(device=device, runtime_mode=mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=request.max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
-                        capture_sizes=capture_sizes, max_num_waiting=max_num_waiting)
+                        capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
+                        piecewise_capture_sizes=piecewise)
+
+
+def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMode) -> tuple[int, ...] | None:
+    """None: the default sizes (cudagraph mode); (): off. The upper bound, max_num_batched_tokens, is checked once
+    the bundle's compiled range has settled it (EngineConfig.within_token_range)."""
+    sizes = list(request.piecewise_capture_sizes)
+    if not sizes:
+        return None if mode == RuntimeMode.CUDAGRAPH else ()
+    if sizes == [0]:
+        return ()
+    if mode != RuntimeMode.CUDAGRAPH:
+        raise InvalidArgument(f"piecewise_capture_sizes: given, but runtime_mode is {mode}")
+    if len(sizes) > MAX_PIECEWISE_CAPTURE_SIZES:
+        raise InvalidArgument(f"piecewise_capture_sizes: {len(sizes)} sizes, at most {MAX_PIECEWISE_CAPTURE_SIZES}")
+    for size in sizes:
+        if size < 1:
+            raise InvalidArgument(f"piecewise_capture_sizes: {size} is not a positive token count ([0] alone turns "
+                                  f"piecewise graphs off)")
+    if request.max_num_batched_tokens and max(sizes) > request.max_num_batched_tokens:
+        raise InvalidArgument(f"piecewise_capture_sizes: {max(sizes)} exceeds max_num_batched_tokens "
+                              f"{request.max_num_batched_tokens}")
+    return tuple(sorted(set(sizes)))
 
 
 def model_name(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel) -> str:

@@ -5,6 +5,10 @@ from dataclasses import dataclass, replace
 from kiln.errors import InvalidArgument
 from kiln.runtime_mode import RuntimeMode
 
+# Token counts of the piecewise CUDA graphs when LoadModel names none (those up to the step token budget): dense
+# where steps are short, 64 apart towards 512, where a padded token costs more.
+DEFAULT_PIECEWISE_CAPTURE_SIZES = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -16,8 +20,10 @@ class EngineConfig:
     block_size: int
     gpu_memory_utilization: float
     kv_cache_bytes: int  # the CPU budget, or a cap on CUDA (0: none)
-    capture_sizes: tuple[int, ...]
+    capture_sizes: tuple[int, ...]  # full graphs: decode batch sizes
     max_num_waiting: int
+    # Piecewise graphs: token counts of prefill and mixed steps; () for none, None for the default (cudagraph only).
+    piecewise_capture_sizes: tuple[int, ...] | None = ()
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -36,4 +42,11 @@ class EngineConfig:
                 s for s in (1, 2, 4, *range(8, self.max_num_seqs + 1, 8)) if s <= self.max_num_seqs)
             if max(capture_sizes) > limit:
                 raise InvalidArgument(f"capture_sizes: {max(capture_sizes)} exceeds max_num_batched_tokens {tokens}")
-        return replace(self, max_num_batched_tokens=tokens, capture_sizes=capture_sizes)
+        piecewise = self.piecewise_capture_sizes
+        if piecewise is None:
+            piecewise = tuple(s for s in DEFAULT_PIECEWISE_CAPTURE_SIZES if s <= tokens)
+        elif piecewise and max(piecewise) > tokens:
+            raise InvalidArgument(f"piecewise_capture_sizes: {max(piecewise)} exceeds max_num_batched_tokens "
+                                  f"{tokens}")
+        return replace(self, max_num_batched_tokens=tokens, capture_sizes=capture_sizes,
+                       piecewise_capture_sizes=piecewise)

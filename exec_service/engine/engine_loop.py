@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import threading
+from dataclasses import dataclass
 
 from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_config import EngineConfig
@@ -21,10 +22,27 @@ from exec_service.engine.request_stream import RequestOutput, RequestStream, del
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import Sequence
 from kiln.errors import Internal, KilnError, ResourceExhausted, Unavailable, first_line, resource_error
-from kiln.runtime_mode import RuntimeMode
 from kiln.step_record import StepObserver, StepRecord
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """Inbox message: a request to schedule, and where its tokens go."""
+
+    seq: Sequence
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Inbox message: a request to abort before the next step."""
+
+    request_id: str
+
+
+InboxMessage = NewRequest | Cancel
 
 
 class Engine:
@@ -39,7 +57,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._seeds = random.Random()  # noise seeds for requests that bring none
         self._streams: dict[str, RequestStream] = {}
-        self._inbox: list[tuple[Sequence, RequestStream] | str] = []  # new requests, or request ids to abort
+        self._inbox: list[InboxMessage] = []
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
@@ -54,8 +72,9 @@ class Engine:
             self._wakeup.notify()
         self._thread.join()
         gone = error or Unavailable(f"model: {self.name!r} was unloaded")
-        for _, stream in [i for i in self._inbox if not isinstance(i, str)]:
-            stream.put(RequestOutput(error=gone))
+        for message in self._inbox:
+            if isinstance(message, NewRequest):
+                message.stream.put(RequestOutput(error=gone))
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._end(seq, RequestOutput(error=gone))
 
@@ -79,19 +98,19 @@ class Engine:
             if self.num_waiting >= self.config.max_num_waiting:
                 raise ResourceExhausted(f"model: {self.name!r} has {self.config.max_num_waiting} requests waiting "
                                         f"(max_num_waiting); retry later")
-            self._inbox.append((seq, stream))
+            self._inbox.append(NewRequest(seq, stream))
             self._wakeup.notify()
         return stream
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks are freed before the next step. A no-op when it already finished."""
         with self._wakeup:
-            self._inbox.append(request_id)
+            self._inbox.append(Cancel(request_id))
             self._wakeup.notify()
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + sum(not isinstance(i, str) for i in self._inbox)
+        return len(self.scheduler.waiting) + sum(isinstance(m, NewRequest) for m in self._inbox)
 
     @property
     def num_running(self) -> int:
@@ -116,13 +135,13 @@ class Engine:
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
-            for item in inbox:
-                if isinstance(item, str):
-                    self._abort(item)
-                else:
-                    seq, stream = item
-                    self._streams[seq.request_id] = stream
-                    self.scheduler.add(seq)
+            for message in inbox:
+                match message:
+                    case NewRequest(seq, stream):
+                        self._streams[seq.request_id] = stream
+                        self.scheduler.add(seq)
+                    case Cancel(request_id):
+                        self._abort(request_id)
             batch = self.scheduler.schedule()
             launched, failure = None, None
             if batch.entries:
@@ -152,7 +171,7 @@ class Engine:
             return
         # Observed before any request hears of its tokens: a request's span is still live when its last step's
         # forward span links to it.
-        self._observe(step.batch, step.runtime_mode, step.padded_size, step.timer.start_ns, step.timer.elapsed_ms())
+        self._observe(step, step.timer.start_ns, step.timer.elapsed_ms())
         outputs = []
         for entry, token_id in self.scheduler.postprocess(step.batch, token_ids):
             seq = entry.seq
@@ -179,13 +198,13 @@ class Engine:
         if stream is not None:
             stream.put(output)
 
-    def _observe(self, batch: ScheduledBatch, runtime_mode: RuntimeMode, padded_size: int, start_ns: int,
-                 forward_ms: float) -> None:
+    def _observe(self, step: LaunchedStep, start_ns: int, forward_ms: float) -> None:
         if not self.step_observers:
             return
+        batch = step.batch
         record = StepRecord(
-            model=self.name, batch_size=batch.num_seqs, num_tokens=batch.num_tokens, padded_size=padded_size,
-            runtime_mode=runtime_mode.value, phase=batch.phase, start_ns=start_ns,
+            model=self.name, batch_size=batch.num_seqs, num_tokens=batch.num_tokens, padded_size=step.padded_size,
+            runtime_mode=self.config.runtime_mode.value, path=step.path.value, phase=batch.phase, start_ns=start_ns,
             end_ns=start_ns + int(forward_ms * 1e6), request_ids=tuple(e.seq.request_id for e in batch.entries))
         for observer in self.step_observers:
             try:
