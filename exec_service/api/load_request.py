@@ -77,15 +77,13 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
 
 
 def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMode) -> tuple[int, ...] | None:
-    """None: the default sizes (cudagraph mode); (): off. The upper bound, max_num_batched_tokens, is checked once
-    the bundle's compiled range has settled it (EngineConfig.within_token_range)."""
+    """None: the default sizes (cudagraph mode); (): off. The bound max_num_batched_tokens is checked here when the
+    request sets it, else once the bundle's compiled range settles it (EngineConfig.within_token_range)."""
     sizes = list(request.piecewise_capture_sizes)
     if not sizes:
         return None if mode == RuntimeMode.CUDAGRAPH else ()
     if sizes == [0]:
         return ()
-    if mode != RuntimeMode.CUDAGRAPH:
-        raise InvalidArgument(f"piecewise_capture_sizes: given, but runtime_mode is {mode}")
     if len(sizes) > MAX_PIECEWISE_CAPTURE_SIZES:
         raise InvalidArgument(f"piecewise_capture_sizes: {len(sizes)} sizes, at most {MAX_PIECEWISE_CAPTURE_SIZES}")
     for size in sizes:
@@ -95,6 +93,8 @@ def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMod
     if request.max_num_batched_tokens and max(sizes) > request.max_num_batched_tokens:
         raise InvalidArgument(f"piecewise_capture_sizes: {max(sizes)} exceeds max_num_batched_tokens "
                               f"{request.max_num_batched_tokens}")
+    if mode != RuntimeMode.CUDAGRAPH:
+        raise InvalidArgument(f"piecewise_capture_sizes: given, but runtime_mode is {mode}")
     return tuple(sorted(set(sizes)))
 
 
