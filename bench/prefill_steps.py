@@ -4,8 +4,8 @@ piecewise CUDA graphs and launched from Python (the compiled layers), on one GPU
 A step is host-bound when its time (CUDA events around the forward, as the engine's forward stats time it) is well
 over its kernels' sum (the profiler's CUDA kernel events): the GPU waits for launches. The target is at most 1.15x.
 Steps: one sequence prefilling T tokens from scratch, and a mixed step of 16 decodes (1,024 tokens of context each)
-with a prefill chunk of T - 16 tokens. Compiles the preset once (compile service on loopback, fresh store), then
-loads the bundle in this process as the execute service does (signature checked, no compile).
+with a prefill chunk of T - 16 tokens. Compiles the preset once (a compile service in this process, on loopback, fresh
+store), then loads the bundle as the execute service does (signature checked, no compile).
 
 usage: python bench/prefill_steps.py [--preset llama-3-8b] [--tokens 32,64,128,256,384,512] [--json-out FILE]
 """
@@ -33,8 +33,7 @@ from kiln.model.causal_lm import build_model
 from kiln.model.spec import resolve
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from kiln.store.bundle import load_compiled
-from kiln.store.signing import TrustedKeys, local_keys_dir
-from kiln_cli.service_process import LocalServices
+from kiln.store.signing import Signer, TrustedKeys, generate_key_pair, local_keys_dir
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
 
 DECODES = 16
@@ -42,14 +41,22 @@ CONTEXT = 1024
 MAX_TOKENS = 512
 
 
-async def compile_bundle(services: LocalServices, spec: common_pb2.ModelSpec, config) -> str:
-    async with grpc.aio.insecure_channel(services.compile.address, options=CHANNEL_OPTIONS) as channel:
-        key = ""
-        async for event in compile_pb2_grpc.CompileServiceStub(channel).Compile(
-                compile_pb2.CompileRequest(model=spec, config=config)):
-            if event.HasField("result"):
-                key = event.result.key.digest
-        return key
+async def compile_bundle(store: Path, spec: common_pb2.ModelSpec, config) -> str:
+    """The bundle's key, compiled by a compile service started here for it."""
+    from compile_service.server import start_compile_server
+
+    signing_key, _ = generate_key_pair(local_keys_dir(store))
+    server, port = await start_compile_server(store, "127.0.0.1:0", signer=Signer.load(signing_key))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+            key = ""
+            async for event in compile_pb2_grpc.CompileServiceStub(channel).Compile(
+                    compile_pb2.CompileRequest(model=spec, config=config)):
+                if event.HasField("result"):
+                    key = event.result.key.digest
+            return key
+    finally:
+        await server.stop(grace=1)
 
 
 def step_metadata(tokens: int, mixed: bool, max_blocks: int) -> AttentionMetadata:
@@ -78,13 +85,7 @@ def main() -> None:
     spec = common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16")
     config = common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=MAX_TOKENS)
     with tempfile.TemporaryDirectory() as tmp:
-        services = LocalServices(Path(tmp), Path(tmp) / "store")
-        try:
-            services.start(300)
-            key = asyncio.run(compile_bundle(services, spec, config))
-            services.stop()
-        finally:
-            services.cleanup()
+        key = asyncio.run(compile_bundle(Path(tmp) / "store", spec, config))
         torch.set_grad_enabled(False)
         resolved = resolve(spec, "cuda")
         model = build_model(resolved, "cuda")

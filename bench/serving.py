@@ -229,6 +229,11 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             second = await load(stub, request)
         rates = await sweep(services.exec.address, "bench", prompts, args, services.exec.process.pid)
         services.stop()
+    except BaseException:
+        for log_file in ("compile.log", "exec.log"):  # the services' own account of a failure, before tmp goes
+            if (tmp / log_file).is_file():
+                print(f"--- the end of {log_file}:\n" + "\n".join((tmp / log_file).read_text().splitlines()[-30:]))
+        raise
     finally:
         services.cleanup()
     return {"cold_compile_s": cold_compile_s, "first_load": first, "second_load": second, "rates": rates}

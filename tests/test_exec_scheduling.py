@@ -165,6 +165,15 @@ def test_step_inputs_take_a_pending_token_from_the_previous_steps_output_and_pad
     assert sampling.top_k.tolist() == [512, 7] and not sampling.all_greedy and sampling.any_top_k_top_p
 
 
+def test_every_step_buffer_view_starts_16_bytes_aligned():
+    """As the warm-ups' own tensors do: Triton builds a kernel per pointer alignment, so a misaligned view (the
+    sequence lengths after 129 query starts, say) would build one while serving."""
+    buffers = StepBuffers(max_tokens=37, max_seqs=129, max_blocks_per_seq=3, block_size=4, vocab_size=512, device="cpu")
+    for packed in (buffers._long, buffers._float, buffers._int):
+        for name in packed.offsets:
+            assert packed.device_view(name).data_ptr() % 16 == 0, name
+
+
 def test_a_mixed_step_splits_into_its_leading_decodes_and_the_rest():
     """Decodes come first in a mixed step; attending the two halves apart (as the GPU does, decode kernel and
     prefill kernel) gives what attending the step whole gives."""

@@ -23,6 +23,8 @@ from exec_service.engine.scheduler import ScheduledBatch
 from exec_service.engine.sequence import Sequence
 from kiln.attention.forward_context import AttentionMetadata
 
+ALIGN_BYTES = 16  # where each section of the packed step buffers starts (_Packed)
+
 
 @dataclass
 class StepInputs:
@@ -126,14 +128,18 @@ def _pad_token_rows(step: HostStep, pad: int) -> None:
 
 
 class _Packed:
-    """Named sections of one flat buffer of one dtype: two pinned host copies and one device copy."""
+    """Named sections of one flat buffer of one dtype: two pinned host copies and one device copy.
+
+    Each section starts 16 bytes aligned, as a tensor of its own would: Triton specialises a kernel on whether each
+    pointer argument is, so a view at another alignment than the warm-up's tensors built a kernel while serving."""
 
     def __init__(self, dtype: torch.dtype, sizes: dict[str, int], device: str):
         self.offsets: dict[str, tuple[int, int]] = {}
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
         total = 0
         for name, size in sizes.items():
             self.offsets[name] = (total, size)
-            total += size
+            total += -(-size // align) * align
         pin = device == "cuda"
         self.host = [torch.zeros(total, dtype=dtype, pin_memory=pin) for _ in range(2)]
         self.host_np = [h.numpy() for h in self.host]
