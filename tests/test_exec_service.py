@@ -437,6 +437,9 @@ def test_forward_stats(exec_stub, tiny_loaded):
     # The sum over every step: what the serving bench divides by wall time for the GPU's busy fraction.
     assert all(s.median_ms <= s.total_ms <= s.count * s.p99_ms + 1e-3 for s in stats)  # p99 is the max below 100
     assert {s.runtime_mode for s in stats} == {"compiled"}
+    # One prompt, then its decodes: one batch size, two series (phase and path), never one median of both.
+    assert {(s.batch_size, s.phase, s.path) for s in stats} >= {(1, "prefill", "compiled"), (1, "decode", "compiled")}
+    assert len({(s.batch_size, s.phase, s.path) for s in stats}) == len(stats)
     exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny", reset=True))
     assert not exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny")).stats
     with pytest.raises(grpc.RpcError) as exc:
@@ -459,7 +462,9 @@ def test_cli_generate_models_stats(exec_server, tiny_loaded, hf_tiny, capsys):
     assert models["tiny"]["state"] == "MODEL_STATE_READY"
 
     assert main(["stats", exec_server.address]) == 0
-    assert "compiled" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "phase" in out.splitlines()[0] and "path" in out.splitlines()[0]
+    assert any(line.split()[2:4] == ["decode", "compiled"] for line in out.splitlines()[1:] if "tiny " in line)
 
     assert main(["generate", exec_server.address, "--model", "tiny", "--prompt-ids", "1", "--top-p", "2"]) == 1
     assert "INVALID_ARGUMENT: top_p" in capsys.readouterr().err
