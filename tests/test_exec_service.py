@@ -415,6 +415,18 @@ def test_piecewise_capture_sizes_within_the_compiled_range():
         dataclasses.replace(config, piecewise_capture_sizes=(16, 512)).within_token_range(256)
 
 
+def test_graphs_that_leave_no_kv_block_name_the_fields_to_lower():
+    from exec_service.engine.kv_cache import KVCacheSpec
+    from exec_service.startup import kv_sizing
+    from kiln.errors import ResourceExhausted
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    budget = kv_sizing.MemoryBudget(total_bytes=80 << 30, weights_bytes=70 << 30, activation_peak_bytes=1 << 30,
+                                    cudagraph_bytes=9 << 30, kv_cache_bytes=0)
+    with pytest.raises(ResourceExhausted, match="lower piecewise_capture_sizes or capture_sizes"):
+        kv_sizing.num_blocks(budget, spec, 512)
+
+
 def test_unload(exec_stub, exec_channel):
     load_model(exec_stub, "tiny-unload")
     exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-unload"))

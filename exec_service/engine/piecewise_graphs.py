@@ -66,6 +66,8 @@ class _Replay:
         self.staged_from: dict[int, torch.Tensor] = {}  # id(staging buffer) -> the tensor last copied into it
 
     def __call__(self, piece: CompiledPiece, args: tuple):
+        if self.calls == len(self.graphs):
+            raise RuntimeError(f"a forward called more compiled pieces than the {len(self.graphs)} captured")
         entry = self.graphs[self.calls]
         self.calls += 1
         for position, staging in entry.staged:
