@@ -16,7 +16,8 @@ from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.forward_timer import ForwardTimer
 from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.piecewise_graphs import PiecewiseGraphs
-from exec_service.engine.sampler import sample
+from exec_service.engine.sampler import SampledLogprobs, logprobs, sample
+from exec_service.engine.sampling_options import sampling_options
 from exec_service.engine.scheduler import ScheduledBatch
 from exec_service.engine.sequence import Sequence
 from exec_service.engine.step_inputs import StepBuffers
@@ -53,6 +54,7 @@ class LaunchedStep:
     timer: ForwardTimer
     host: torch.Tensor  # [S] int64 (pinned on CUDA), where ``sampled`` is copied to
     ready: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is done at once)
+    logprobs: SampledLogprobs | None = None  # on the host once ``ready``; when a sequence of the step asked for them
 
     def token_ids(self) -> list[int]:
         if self.ready is not None:
@@ -118,12 +120,17 @@ class ModelRunner:
                     hidden = self.forward.compiled_forward(inputs.input_ids, inputs.positions)
             else:
                 hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache.caches, inputs.metadata)
-        sampled = sample(self.forward.token_model.logits(hidden[inputs.sample_rows]), inputs.sampling)
+        logits = self.forward.token_model.logits(hidden[inputs.sample_rows])
+        options = sampling_options(batch.sampling_entries, inputs.input_ids[inputs.sample_rows], logits.shape[-1])
+        sampled = sample(logits, inputs.sampling, options)
         host = self.buffers.sampled_host[parity][:sampled.shape[0]]
         host.copy_(sampled, non_blocking=True)
+        host_logprobs = None
+        if options is not None and options.num_top_logprobs is not None:
+            host_logprobs = logprobs(logits, sampled, options.num_top_logprobs).to_host()
         ready = None
         if self._ready is not None:
             ready = self._ready[parity]
             ready.record()
         rows = {e.seq: row for row, e in enumerate(batch.sampling_entries)}
-        return LaunchedStep(batch, sampled, rows, path, padded or inputs.num_tokens, timer, host, ready)
+        return LaunchedStep(batch, sampled, rows, path, padded or inputs.num_tokens, timer, host, ready, host_logprobs)
