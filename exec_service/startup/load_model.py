@@ -213,7 +213,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
                     forward = ModelForward(loaded.token_model,
                                            load_compiled(fetched.path, fetched.key, fetcher.trusted))
                 with phases.step(spans.WARM_UP):
-                    warm_up_compiled(forward, config, target.compile_config.compile_sizes)
+                    warm_up_compiled(forward, config, fetched.compile_sizes)
                 with phases.step(spans.WARM_UP_ATTENTION):
                     warm_up_paged_attention(forward, scratch_kv, config.block_size, config.device)
                 event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
