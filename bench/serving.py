@@ -146,7 +146,8 @@ async def run_rate(stub, model: str, prompts: list[list[int]], args, rate: float
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
     result = {"request_rate": rate, **latency_metrics(timings, duration)}
     result["gpu_busy"] = sum(s.total_ms for s in stats) / 1e3 / duration
-    result["forward_stats"] = [(s.batch_size, s.count, round(s.median_ms, 2)) for s in stats]
+    result["forward_stats"] = [(s.batch_size, s.phase, s.path, s.count, round(s.median_ms, 2), round(s.p99_ms, 2))
+                               for s in stats]
     busiest = max(stats, key=lambda s: s.count, default=None)
     result["typical_step"] = (busiest.batch_size, busiest.median_ms) if busiest else None
     if cpu_before is not None:
@@ -154,7 +155,18 @@ async def run_rate(stub, model: str, prompts: list[list[int]], args, rate: float
         for key in cpu_before:
             result[f"{key}_cpu_ms_per_token"] = (cpu_after[key] - cpu_before[key]) * 1e3 / result["output_tokens"]
     print_result(result)
+    print_step_series(stats)
     return result
+
+
+def print_step_series(stats) -> None:
+    """Each (batch size, phase, path) series of the run with 20 steps or more: its p99 against its p50."""
+    print("| batch | phase | path | steps | p50 ms | p99 ms | p99/p50 |")
+    print("|---|---|---|---|---|---|---|")
+    for s in sorted(stats, key=lambda s: -s.count):
+        if s.count >= 20:
+            print(f"| {s.batch_size} | {s.phase} | {s.path} | {s.count} | {s.median_ms:.2f} | {s.p99_ms:.2f} | "
+                  f"{s.p99_ms / s.median_ms:.2f} |")
 
 
 def print_result(r: dict) -> None:
@@ -211,7 +223,8 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
                                       compile_pb2.CompileRequest(model=spec, config=config))
             cold_compile_s = time.perf_counter() - started
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
-                                            max_model_len=args.max_prompt + args.output_len + 16)
+                                            max_model_len=args.max_prompt + args.output_len + 16,
+                                            piecewise_capture_sizes=args.piecewise_capture_sizes)
         async with connect_aio(services.exec.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             print("LoadModel (bundle downloaded from the compile service):")
@@ -221,6 +234,11 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             second = await load(stub, request)
         rates = await sweep(services.exec.address, "bench", prompts, args, services.exec.process.pid)
         services.stop()
+    except BaseException:
+        for log_file in ("compile.log", "exec.log"):  # the services' own account of a failure, before tmp goes
+            if (tmp / log_file).is_file():
+                print(f"--- the end of {log_file}:\n" + "\n".join((tmp / log_file).read_text().splitlines()[-30:]))
+        raise
     finally:
         services.cleanup()
     return {"cold_compile_s": cold_compile_s, "first_load": first, "second_load": second, "rates": rates}
@@ -321,6 +339,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--piecewise-capture-sizes", type=lambda t: [int(v) for v in t.split(",") if v.strip()],
+                   default=[], help="LoadModel's piecewise_capture_sizes: comma-separated token counts, 0 for none "
+                                    "(default: the service's)")
     p.add_argument("--exec-server", default="", help="a running execute service (default: start both locally)")
     p.add_argument("--model", default="", help="with --exec-server: the name of a model loaded there")
     p.add_argument("--json-out", type=Path)

@@ -143,8 +143,8 @@ async def _print_forward_stats(stub, model: str) -> None:
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
     _say("\n" + stats_line(stats))
     for s in stats:
-        _say(f"  batch {s.batch_size:3d}: {s.count:4d} forwards, median {s.median_ms:8.2f} ms, "
-             f"p90 {s.p90_ms:8.2f} ms, {s.runtime_mode}")
+        _say(f"  batch {s.batch_size:3d} {s.phase:<7} {s.path:<15}: {s.count:4d} forwards, "
+             f"median {s.median_ms:8.2f} ms, p90 {s.p90_ms:8.2f} ms, {s.runtime_mode}")
 
 
 def _default_device() -> str:

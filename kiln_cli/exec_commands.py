@@ -73,6 +73,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt token; by default full KV blocks are reused by later prompts with the "
                         "same prefix (docs/prefix-caching.md)")
+    p.add_argument("--piecewise-capture-sizes", type=int_list, default=[], metavar="N,N,...",
+                   help="token counts with piecewise CUDA graphs for prefill and mixed steps; 0 turns them off "
+                        "(default: 8 ... 512, up to the step token budget)")
     p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
                    help="how forwards run (default: cudagraph on CUDA, compiled on CPU)")
     add_compile_config_args(p)
@@ -174,7 +177,7 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=args.capture_sizes, max_num_waiting=args.max_num_waiting,
-        runtime_mode=runtime_mode_to_proto(args.runtime_mode))
+        runtime_mode=runtime_mode_to_proto(args.runtime_mode), piecewise_capture_sizes=args.piecewise_capture_sizes)
     if args.no_prefix_caching:
         request.enable_prefix_caching = False
     if args.key:
@@ -333,9 +336,10 @@ def run_stats(args) -> int:
         if not stats:
             out.line("no forward statistics yet: no step has run" + (f" for {args.model}" if args.model else ""))
             return
-        out.line(f"{'model':<20} {'batch':>5} {'count':>8} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8}  mode")
+        out.line(f"{'model':<20} {'batch':>5} {'phase':<7} {'path':<15} {'count':>8} {'median ms':>10} "
+                 f"{'p90 ms':>8} {'p99 ms':>8}  mode")
         for s in stats:
-            out.message(s, f"{s.model:<20} {s.batch_size:>5} {s.count:>8} {s.median_ms:>10.3f} {s.p90_ms:>8.3f} "
-                           f"{s.p99_ms:>8.3f}  {s.runtime_mode}")
+            out.message(s, f"{s.model:<20} {s.batch_size:>5} {s.phase:<7} {s.path:<15} {s.count:>8} "
+                           f"{s.median_ms:>10.3f} {s.p90_ms:>8.3f} {s.p99_ms:>8.3f}  {s.runtime_mode}")
 
     return _call(args, "GetForwardStats", work)

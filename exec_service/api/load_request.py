@@ -3,7 +3,7 @@
 import re
 
 from exec_service.api.runtime_modes import runtime_mode_from_proto
-from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES, EngineConfig
 from exec_service.startup.load_model import LoadTarget
 from kiln.compilation.config import MIN_COMPILED_TOKENS, CompileConfig
 from kiln.errors import InvalidArgument
@@ -19,6 +19,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 64 << 20
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_WAITING = 256
 MAX_BLOCK_SIZE = 256
+MAX_PIECEWISE_CAPTURE_SIZES = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -74,6 +75,7 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
     capture_sizes = ()
     if mode == RuntimeMode.CUDAGRAPH:
         capture_sizes = tuple(sorted(set(request.capture_sizes))) or default_capture_sizes(largest_batch)
+    piecewise = piecewise_capture_sizes(request, mode, max_num_batched_tokens)
     max_num_waiting = request.max_num_waiting or DEFAULT_MAX_NUM_WAITING
     if max_num_waiting < 1:
         raise InvalidArgument(f"max_num_waiting: {max_num_waiting} must be positive")
@@ -82,12 +84,36 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
                         capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
                         enable_prefix_caching=not request.HasField("enable_prefix_caching")
-                        or request.enable_prefix_caching)
+                        or request.enable_prefix_caching, piecewise_capture_sizes=piecewise)
 
 
 def default_capture_sizes(largest_batch: int) -> tuple[int, ...]:
     """[1, 2, 4] and the multiples of 8, up to the largest decode batch."""
     return tuple(s for s in (1, 2, 4, *range(8, largest_batch + 1, 8)) if s <= largest_batch)
+
+
+def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMode,
+                            max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The token counts with piecewise graphs: the defaults up to the step budget in cudagraph mode, () when off."""
+    sizes = list(request.piecewise_capture_sizes)
+    if not sizes:
+        if mode != RuntimeMode.CUDAGRAPH:
+            return ()
+        return tuple(s for s in DEFAULT_PIECEWISE_CAPTURE_SIZES if s <= max_num_batched_tokens)
+    if sizes == [0]:
+        return ()
+    if len(sizes) > MAX_PIECEWISE_CAPTURE_SIZES:
+        raise InvalidArgument(f"piecewise_capture_sizes: {len(sizes)} sizes, at most {MAX_PIECEWISE_CAPTURE_SIZES}")
+    for size in sizes:
+        if size < 1:
+            raise InvalidArgument(f"piecewise_capture_sizes: {size} is not a positive token count ([0] alone turns "
+                                  f"piecewise graphs off)")
+    if max(sizes) > max_num_batched_tokens:
+        raise InvalidArgument(f"piecewise_capture_sizes: {max(sizes)} exceeds max_num_batched_tokens "
+                              f"{max_num_batched_tokens}")
+    if mode != RuntimeMode.CUDAGRAPH:
+        raise InvalidArgument(f"piecewise_capture_sizes: given, but runtime_mode is {mode}")
+    return tuple(sorted(set(sizes)))
 
 
 def model_name(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel) -> str:

@@ -4,6 +4,10 @@ from dataclasses import dataclass
 
 from kiln.runtime_mode import RuntimeMode
 
+# Token counts of the piecewise CUDA graphs when LoadModel names none (those up to the step token budget): dense
+# where steps are short, 64 apart towards 512, where a padded token costs more.
+DEFAULT_PIECEWISE_CAPTURE_SIZES = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,9 +19,11 @@ class EngineConfig:
     block_size: int
     gpu_memory_utilization: float
     kv_cache_bytes: int  # the CPU budget, or a cap on CUDA (0: none)
-    capture_sizes: tuple[int, ...]
+    capture_sizes: tuple[int, ...]  # full graphs: decode batch sizes
     max_num_waiting: int
     enable_prefix_caching: bool = True  # full KV blocks known by content and reused by later prompts
+    # Piecewise graphs: token counts of prefill and mixed steps, () for none (complete: defaults filled in at the edge).
+    piecewise_capture_sizes: tuple[int, ...] = ()
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -94,6 +94,11 @@ class FetchedBundle:
         """Upper end of the compiled symbolic token range: no step may be larger."""
         return self.factors["compile_config"]["max_compiled_tokens"]
 
+    @property
+    def compile_sizes(self) -> tuple[int, ...]:
+        """Token counts compiled statically besides the symbolic range: code of their own to warm up."""
+        return tuple(self.factors["compile_config"].get("compile_sizes", ()))
+
 
 class BundleFetcher:
     """Bundles by key. ``store`` is a shared store (a directory read in place, or Redis copied into a local cache)

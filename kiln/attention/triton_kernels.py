@@ -46,6 +46,9 @@ DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
 PREFILL_CONFIGS = {2: (128, 32, 8, 2), 4: (64, 32, 4, 2)}
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
 # would JIT a new variant for each divisibility class it falls in (a 0.7 s stall in a serving step on an H200).
+# Likewise the prefill of a mixed step starts at its first prefilling sequence as an index (first_seq, not
+# specialised) into the step's whole tables, never as pointers offset by the decodes before it: Triton specialises
+# pointers on 16-byte alignment, so every count of leading decodes not a multiple of 4 built a variant after ready.
 
 
 @triton.jit
@@ -312,7 +315,7 @@ def _decode_reduce_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "first_seq"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -324,6 +327,7 @@ def _prefill_kernel(
     qk_scale,
     cap_scale,
     window,
+    first_seq,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -350,7 +354,7 @@ def _prefill_kernel(
     Without a window the first run is empty.
     """
     m_block = tl.program_id(0)
-    seq = tl.program_id(1)
+    seq = tl.program_id(1) + first_seq
     head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -599,9 +603,10 @@ def _decode(
 
 def _prefill(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int, softcap: float,
-    out: torch.Tensor,
+    out: torch.Tensor, first_seq: int = 0,
 ) -> None:
-    batch = meta.seq_lens.shape[0]
+    """The sequences of ``meta`` from ``first_seq`` on (the ones before it are a mixed step's decodes)."""
+    batch = meta.seq_lens.shape[0] - first_seq
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -622,6 +627,7 @@ def _prefill(
         qk_scale,
         cap_scale,
         window,
+        first_seq,
         *q.stride(),
         *k_cache.stride(),
         meta.block_tables.stride(0),
@@ -656,8 +662,8 @@ def paged_attention(
     if meta.is_decode:
         _decode(q, kv_cache, meta, scale, window, softcap, out)
     else:
-        decodes, rest = meta.split_decodes()
+        decodes, _ = meta.split_decodes()
         if decodes is not None:
             _decode(q, kv_cache, decodes, scale, window, softcap, out)
-        _prefill(q, kv_cache, rest, scale, window, softcap, out)
+        _prefill(q, kv_cache, meta, scale, window, softcap, out, meta.num_decodes)
     return out
