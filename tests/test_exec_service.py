@@ -98,7 +98,9 @@ def test_startup_phases_in_order_profile_before_compiled_load(tiny_loaded, tiny_
     phases = [e.phase for e in tiny_loaded if e.HasField("phase") and not e.phase.progress]
     assert [p.phase for p in phases] == PHASES
     by_name = {p.phase: p for p in phases}
-    assert by_name["fetch"].detail.startswith("downloaded") and tiny_key in by_name["fetch"].detail
+    # Downloaded from the compile service, or found in the exec server's own cache when an earlier test of the
+    # session loaded the same bundle (any step budget over one compiled range is one bundle).
+    assert by_name["fetch"].detail.startswith(("downloaded", "local cache")) and tiny_key in by_name["fetch"].detail
     sizing = tiny_loaded[-1].ready
     assert by_name["profile_memory"].detail == f"# CPU blocks: {sizing.num_kv_blocks}"
     assert sizing.key.digest == tiny_key and sizing.runtime_mode == "compiled" and sizing.device == "cpu"
