@@ -122,7 +122,7 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
     then trace, split, Inductor and save."""
     timings = {"key": key_s, "trace": 0.0, "split": 0.0, "inductor": 0.0}
     t = time.perf_counter()
-    module = build_model(model, config.device)
+    module = build_model(model, config.device, quantization=config.quantization)
     timings["build"] = time.perf_counter() - t
     compiled, num_pieces, num_splits = [], 0, 0
     torch._dynamo.reset()

@@ -18,6 +18,8 @@ class EngineConfig:
     kv_cache_bytes: int  # the CPU budget, or a cap on CUDA (0: none)
     capture_sizes: tuple[int, ...]
     max_num_waiting: int
+    quantization: str = ""  # the compile config's: "fp8" makes the decoder's linears FP8 at load
+    kv_cache_dtype: str = ""  # "fp8_e4m3", or empty: the model's dtype (exec_service.engine.kv_cache)
 
     @property
     def max_blocks_per_seq(self) -> int:

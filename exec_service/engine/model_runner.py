@@ -74,7 +74,7 @@ class ModelRunner:
         self._ready = [torch.cuda.Event(blocking=True) for _ in range(2)] if self.device == "cuda" else None
 
     def load_weights(self, weights: str, seed: int) -> int:
-        self.token_model = build_model(self.resolved, self.device, weights, seed)
+        self.token_model = build_model(self.resolved, self.device, weights, seed, self.config.quantization)
         self.weights_bytes = weights_bytes(self.token_model)
         window = kv_window(layer_windows(self.token_model, self.device))
         # A window that no sequence outgrows by a whole block never lets one go: then there is no null block either.
