@@ -69,6 +69,8 @@ def add_compile_config_args(p) -> None:
     p.add_argument("--splitting-ops", default=None,
                    help="comma-separated ops to split at ('' for one full graph; default: Kiln's attention)")
     p.add_argument("--inductor-config", default="", help="Inductor config patches as a JSON object")
+    p.add_argument("--quantization", default="", choices=["", "fp8"],
+                   help="fp8: the decoder's linears in FP8, quantized at load (docs/fp8.md; default: none)")
 
 
 def model_spec(model: str, dtype: str) -> common_pb2.ModelSpec:
@@ -82,7 +84,7 @@ def compile_config(args) -> common_pb2.CompileConfig:
     config = common_pb2.CompileConfig(
         compile_sizes=[int(s) for s in args.compile_sizes.split(",") if s.strip()],
         max_num_batched_tokens=args.max_num_batched_tokens,
-        inductor_config_patches_json=args.inductor_config, device=args.device)
+        inductor_config_patches_json=args.inductor_config, device=args.device, quantization=args.quantization)
     if args.splitting_ops is not None:
         config.splitting_ops.ops.extend(op for op in args.splitting_ops.split(",") if op)
         config.splitting_ops.SetInParent()

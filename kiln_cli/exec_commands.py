@@ -58,6 +58,10 @@ def register(subparsers) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.0)
     p.add_argument("--kv-cache-bytes", type=int, default=0, help="KV budget on CPU, a cap on CUDA")
     p.add_argument("--block-size", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3", "fp8"],
+                   help="fp8_e4m3: keys and values in FP8, twice the blocks (default: the model's dtype)")
+    p.add_argument("--kv-cache-scale", type=float, default=0.0,
+                   help="the FP8 cache's scale, every layer and head (default 1.0)")
     p.add_argument("--capture-sizes", default="", help="comma-separated batch sizes with a CUDA graph")
     p.add_argument("--max-num-waiting", type=int, default=0)
     p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
@@ -149,7 +153,8 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=_ints(args.capture_sizes), max_num_waiting=args.max_num_waiting,
-        runtime_mode=runtime_mode_to_proto(args.runtime_mode))
+        runtime_mode=runtime_mode_to_proto(args.runtime_mode), kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_scale=args.kv_cache_scale)
     if args.key:
         request.key.CopyFrom(common_pb2.ArtifactKey(digest=args.key))
     return request

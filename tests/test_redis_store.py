@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 from redis_server import RedisServer
 

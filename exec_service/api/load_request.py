@@ -1,14 +1,17 @@
 """A LoadModelRequest checked at the edge: what to load and the engine's limits, every error naming its field."""
 
 import re
+from dataclasses import replace
 
 from exec_service.api.runtime_modes import runtime_mode_from_proto
 from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.kv_cache import KV_CACHE_DTYPES
 from exec_service.startup.load_model import LoadTarget
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
+from kiln.quantization.model_quantization import fp8_unsupported
 from kiln.runtime_mode import RuntimeMode
 from protos import exec_pb2
 
@@ -19,6 +22,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 64 << 20
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_WAITING = 256
 MAX_BLOCK_SIZE = 256
+MAX_KV_CACHE_SCALE = 1000.0
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -31,7 +35,9 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
         weights = str(roots.check_dir(weights, "weights"))
     return LoadTarget(
         name=model_name(request, resolved), spec=request.model, resolved=resolved, compile_config=compile_config,
-        key=request.key.digest or None, engine_config=engine_config(request, resolved, compile_config.device),
+        key=request.key.digest or None,
+        engine_config=replace(engine_config(request, resolved, compile_config.device),
+                              quantization=compile_config.quantization),
         weights=weights, weights_seed=request.weights_seed)
 
 
@@ -67,10 +73,29 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
     max_num_waiting = request.max_num_waiting or DEFAULT_MAX_NUM_WAITING
     if max_num_waiting < 1:
         raise InvalidArgument(f"max_num_waiting: {max_num_waiting} must be positive")
+    kv_cache_dtype, kv_cache_scale = _kv_cache_dtype(request, device)
     return EngineConfig(device=device, runtime_mode=mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=request.max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
-                        capture_sizes=capture_sizes, max_num_waiting=max_num_waiting)
+                        capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
+                        kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale)
+
+
+def _kv_cache_dtype(request: exec_pb2.LoadModelRequest, device: str) -> tuple[str, float]:
+    name = request.kv_cache_dtype
+    if name and name not in KV_CACHE_DTYPES:
+        raise InvalidArgument(f"kv_cache_dtype: {name!r} is not one of {', '.join(map(repr, KV_CACHE_DTYPES))} "
+                              f"(empty: the model's dtype)")
+    scale = request.kv_cache_scale or 1.0
+    if not 0 < scale <= MAX_KV_CACHE_SCALE:  # also refuses NaN
+        raise InvalidArgument(f"kv_cache_scale: {request.kv_cache_scale} is outside (0, {MAX_KV_CACHE_SCALE:g}]")
+    if request.kv_cache_scale and not name:
+        raise InvalidArgument("kv_cache_scale: given, but kv_cache_dtype is the model's dtype (set fp8_e4m3)")
+    if name:
+        why = fp8_unsupported(device)
+        if why:
+            raise InvalidArgument(f"kv_cache_dtype: {name!r} asked for, but {why}")
+    return name, scale
 
 
 def model_name(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel) -> str:

@@ -22,7 +22,7 @@ def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:
         kv_cache_bytes=s.kv_cache_bytes, weights_bytes=s.weights_bytes, activation_peak_bytes=s.activation_peak_bytes,
         cudagraph_bytes=s.cudagraph_bytes, total_memory_bytes=s.total_memory_bytes, capture_sizes=s.capture_sizes,
         runtime_mode=s.runtime_mode.value, device=s.device, vocab_size=s.vocab_size, kv_window=s.kv_window,
-        dtype=s.dtype,
+        dtype=s.dtype, kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization,
         timings=[common_pb2.PhaseTiming(phase=phase, seconds=seconds) for phase, seconds in s.timings])
 
 

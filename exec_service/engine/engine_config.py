@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_waiting: int
     quantization: str = ""  # the compile config's: "fp8" makes the decoder's linears FP8 at load
     kv_cache_dtype: str = ""  # "fp8_e4m3", or empty: the model's dtype (exec_service.engine.kv_cache)
+    kv_cache_scale: float = 1.0  # an FP8 cache's scale, every layer and head
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -64,8 +64,10 @@ class ModelRunner:
         self.device = config.device
         self.token_model: TokenModel | None = None
         self.weights_bytes = 0
+        self.quantization = ""  # "fp8" once FP8 weights are loaded
         self.kv_window = 0  # kiln.attention.windows.kv_window of the model, known once its weights are loaded
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: list[torch.Tensor] | None = None  # per layer of an FP8 cache (kv_cache.allocate_scales)
         self.num_blocks = 0  # blocks sequences may hold (with a KV window, the cache has one more: the null block)
         self.compiled = None
         self.cudagraphs: CUDAGraphs | None = None
@@ -76,6 +78,7 @@ class ModelRunner:
     def load_weights(self, weights: str, seed: int) -> int:
         self.token_model = build_model(self.resolved, self.device, weights, seed, self.config.quantization)
         self.weights_bytes = weights_bytes(self.token_model)
+        self.quantization = "fp8" if self.token_model.is_fp8 else ""
         window = kv_window(layer_windows(self.token_model, self.device))
         # A window that no sequence outgrows by a whole block never lets one go: then there is no null block either.
         self.kv_window = window if window + self.config.block_size <= self.config.max_model_len else 0
@@ -83,12 +86,14 @@ class ModelRunner:
 
     @property
     def kv_cache_spec(self) -> kv_cache.KVCacheSpec:
-        return kv_cache.KVCacheSpec.from_config(self.resolved.config, self.config.block_size, self.resolved.dtype)
+        dtype = kv_cache.cache_dtype(self.config.kv_cache_dtype, self.resolved.dtype)
+        return kv_cache.KVCacheSpec.from_config(self.resolved.config, self.config.block_size, dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """A cache of ``num_blocks`` blocks; with a KV window its last one is the null block (BlockManager)."""
         self.num_blocks = num_blocks - 1 if self.kv_window else num_blocks
         self.kv_caches = kv_cache.allocate(self.kv_cache_spec, num_blocks, self.device)
+        self.kv_scales = kv_cache.allocate_scales(self.kv_cache_spec, self.config.kv_cache_scale, self.device)
         self.buffers = StepBuffers(self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.max_blocks_per_seq, self.config.block_size,
                                    self.resolved.config.vocab_size, self.device)
@@ -140,7 +145,7 @@ class ModelRunner:
         self.cudagraphs = CUDAGraphs(self._compiled_forward, self.config.capture_sizes, self.buffers,
                                      self.resolved.config.hidden_size, self.resolved.dtype, torch.device(self.device))
         with torch.no_grad(), expect_no_compile("CUDA-graph capture"):
-            return self.cudagraphs.capture(self.kv_caches, on_captured)
+            return self.cudagraphs.capture(self.kv_caches, on_captured, self.kv_scales)
 
     def _compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.compiled(self.token_model, input_ids, positions)
@@ -174,7 +179,7 @@ class ModelRunner:
         return LaunchedStep(batch, sampled, rows, mode, padded or inputs.num_tokens, timer, host, ready)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        with forward_context(ForwardContext(self.kv_caches, metadata)):
+        with forward_context(ForwardContext(self.kv_caches, metadata, self.kv_scales)):
             if self.compiled is None:
                 return self.token_model(input_ids, positions)
             return self._compiled_forward(input_ids, positions)

@@ -85,6 +85,8 @@ class ModelSizing:
     vocab_size: int
     kv_window: int  # tokens of KV a sequence keeps (every layer windowed), 0: all of them
     dtype: str  # what the model runs in: the request's, or the device's default
+    kv_cache_dtype: str = ""  # what the KV cache stores (the model's dtype, or float8_e4m3fn)
+    quantization: str = ""  # "fp8" when the decoder's linears are FP8
 
 
 @dataclass
@@ -231,7 +233,8 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
         weights_bytes=runner.weights_bytes, activation_peak_bytes=activation_peak, cudagraph_bytes=cudagraph_bytes,
         total_memory_bytes=budget.total_bytes, capture_sizes=config.capture_sizes,
         runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
-        vocab_size=target.resolved.config.vocab_size, kv_window=runner.kv_window, dtype=target.resolved.dtype_name)
+        vocab_size=target.resolved.config.vocab_size, kv_window=runner.kv_window, dtype=target.resolved.dtype_name,
+        kv_cache_dtype=str(runner.kv_cache_spec.dtype).removeprefix("torch."), quantization=runner.quantization)
     return StartedModel(engine, sizing, tokenizer)
 
 

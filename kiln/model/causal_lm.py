@@ -22,6 +22,7 @@ from kiln.model.merged_projections import merge_projections
 from kiln.model.spec import ResolvedModel
 from kiln.quantization import fp8_checkpoint
 from kiln.quantization.checkpoint_formats import Fp8Checkpoint
+from kiln.quantization.fp8_linear import Fp8Linear
 from kiln.quantization.model_quantization import Fp8Quantization, quantization_of
 from kiln.quantization.quantize_layers import quantize_layer
 
@@ -77,6 +78,10 @@ class TokenModel(torch.nn.Module):
     @property
     def config(self):
         return self.causal_lm.config
+
+    @property
+    def is_fp8(self) -> bool:
+        return any(isinstance(m, Fp8Linear) for step in self.layers.steps for m in step.layer.modules())
 
 
 def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed: int = 0,
