@@ -5,6 +5,7 @@ Every step decodes one new token per sequence over a context of --context tokens
 includes the logits. The floor is (weight bytes + KV bytes read) / the copy bandwidth measured in this run.
 
 usage: python bench/forward_latency.py --bundle STORE/KEY [--preset llama-3-8b] [--batch-sizes 1,2,4,8,16,32,64]
+       [--quantization fp8]   (a bundle compiled with `kiln compile ... --quantization fp8`)
 """
 
 import argparse
@@ -88,7 +89,7 @@ def load_for_decode(args: argparse.Namespace, sizes: list[int]):
     compile): (resolved, model, cache spec, caches, compiled, blocks per sequence)."""
     torch.set_grad_enabled(False)
     resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
-    model = build_model(resolved, "cuda")
+    model = build_model(resolved, "cuda", quantization=args.quantization)
     spec = kv_cache.KVCacheSpec.from_config(resolved.config, BLOCK_SIZE, resolved.dtype)
     max_blocks = -(-(args.context + 1) // BLOCK_SIZE)
     caches = kv_cache.allocate(spec, max(sizes) * max_blocks, "cuda")
@@ -109,6 +110,8 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--batch-sizes", default=batch_sizes)
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--quantization", default="", choices=["", "fp8"],
+                   help="fp8: the decoder's linears in FP8 (the bundle must be compiled with the same)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     return args, [int(s) for s in args.batch_sizes.split(",")]
@@ -162,7 +165,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {w_bytes / 1e9:.2f} GB, context {args.context}, "
-          f"{args.preset} bf16, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
+          f"{args.preset} bf16{' fp8 linears' if args.quantization else ''}, "
+          f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
     print("| batch | floor ms | Kiln (compiled+graph) ms | Kiln/floor | eager ms | eager+graph ms | compiled ms "
           "| HF transformers ms | HF/Kiln |")
     print("|---|---|---|---|---|---|---|---|---|")

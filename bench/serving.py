@@ -198,7 +198,8 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
     try:
         services.start(300)
         spec = common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype)
-        config = common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
+        config = common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
+                                          quantization=args.quantization)
         async with grpc.aio.insecure_channel(services.compile.address, options=CHANNEL_OPTIONS) as channel:
             started = time.perf_counter()
             async for _ in compile_pb2_grpc.CompileServiceStub(channel).Compile(
@@ -206,7 +207,8 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
                 pass
             cold_compile_s = time.perf_counter() - started
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
-                                            max_model_len=args.max_prompt + args.output_len + 16)
+                                            max_model_len=args.max_prompt + args.output_len + 16,
+                                            kv_cache_dtype=args.kv_cache_dtype)
         async with grpc.aio.insecure_channel(services.exec.address, options=CHANNEL_OPTIONS) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             print("LoadModel (bundle downloaded from the compile service):")
@@ -320,6 +322,8 @@ def main() -> None:
     p.add_argument("--model", default="", help="with --exec-server: the name of a model loaded there")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
+    p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3"], help="fp8_e4m3: an FP8 KV cache")
     args = p.parse_args()
     if bool(args.exec_server) != bool(args.model):
         p.error("--exec-server and --model go together")

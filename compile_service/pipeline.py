@@ -150,6 +150,9 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
             timings={k: round(v, 4) for k, v in timings.items()}, created_unix=time.time(),
         )
         span.set_attribute(spans.BYTES, manifest.total_bytes)
+    del module, examples, compiled
+    if config.device == "cuda":  # the dummy weights' memory back to the device: an execute service on the same GPU
+        torch.cuda.empty_cache()  # loads next (a 70B in FP8 fits one H200 once, not twice)
     return manifest
 
 
