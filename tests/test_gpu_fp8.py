@@ -86,3 +86,31 @@ def test_family_fp8_with_fp8_kv_in_cuda_graphs_agrees_with_bf16(gpu_stub, tmp_pa
         assert any(s.runtime_mode == "cudagraph" for s in stats)
     finally:
         gpu_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
+
+
+@pytest.mark.parametrize("seq_lens, query_lens, layer", [
+    ([37, 300, 1], [1, 1, 1], {}),  # decode
+    ([40, 129], [40, 33], {}),  # prefill over a cached prefix
+    ([77, 20, 150], [1, 20, 16], dict(window=32)),  # mixed, windowed
+    ([64, 200], [1, 64], dict(softcap=50.0)),  # capped
+], ids=["decode", "prefill", "mixed-window", "softcap"])
+def test_fp8_kv_kernels_match_the_reference(seq_lens, query_lens, layer):
+    """An FP8 cache with a scale per kv head: the Triton kernels write and read it as the CPU reference does."""
+    from test_attention_triton import make_case, relative_error
+
+    from kiln.attention import reference, triton_kernels
+
+    torch.manual_seed(len(seq_lens))
+    case = make_case(seq_lens, query_lens, 8, 2, 128, 16, torch.bfloat16, **layer)
+    scales = torch.tensor([[0.5, 2.0], [1.0, 0.25]], device="cuda")  # keys' scales, values' per kv head
+    cache = (case.kv_cache.float() / scales[:, None, None, :, None]).to(torch.float8_e4m3fn)
+    expected_cache = cache.clone()
+    expected = reference.paged_attention(case.q, case.k, case.v, expected_cache, case.meta, case.scale, **layer,
+                                         kv_scale=scales)
+    got = triton_kernels.paged_attention(case.q, case.k, case.v, cache, case.meta, case.scale, **layer,
+                                         kv_scale=scales)
+    written = case.meta.slot_mapping[case.meta.slot_mapping >= 0]
+    for side in (0, 1):
+        stored, wanted = (c[side].view(-1, 2, 128)[written].float() for c in (cache, expected_cache))
+        assert (stored - wanted).abs().max() <= wanted.abs().max() * 2 ** -3  # at most a rounding tie apart
+    assert relative_error(got, expected) < 2e-2
