@@ -5,6 +5,7 @@ caller's INVALID_ARGUMENT, weights larger than the device's free memory are RESO
 is checked tensor by tensor against it (kiln.model.checkpoint).
 """
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -152,7 +153,9 @@ def _dummy_weights(skeleton: PreTrainedModel, device: str, seed: int,
             module.to_empty(device=device, recurse=False)
     torch.manual_seed(seed)
     prefixes = {id(layer): prefix for prefix, layer in layers.items()}
-    custom = skeleton.is_custom_code()
+    # transformers 5.24 passes whether the model is remote code; earlier 5.x releases take the module alone.
+    custom = (skeleton.is_custom_code(),) if "is_custom_code" in \
+        inspect.signature(skeleton._initialize_weights).parameters else ()
 
     def initialise(module: torch.nn.Module, init) -> None:  # PreTrainedModel.initialize_weights' order: children first
         for child in module.children():
@@ -161,11 +164,11 @@ def _dummy_weights(skeleton: PreTrainedModel, device: str, seed: int,
             initialise(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init)
             if id(child) in prefixes:
                 prepare_layer(child, prefixes[id(child)])
-        init(module, custom)
+        init(module, *custom)
 
     with torch.no_grad():
         initialise(skeleton, skeleton._initialize_weights)
-    skeleton.tie_weights(recompute_mapping=False)
+    skeleton.tie_weights()
     return skeleton
 
 
