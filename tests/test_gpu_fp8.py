@@ -1,12 +1,12 @@
 """FP8 on the H200: the row-wise _scaled_mm, what Inductor makes of a quantized layer, tiny families served in FP8
-with an FP8 KV cache in CUDA graphs, judged against the bfloat16 model.
+with an FP8 KV cache in CUDA graphs, judged by plain-torch FP8 and measured against the bfloat16 model.
 
     python -m pytest -m gpu tests/test_gpu_fp8.py -s     # -s prints the agreement measured per family
 """
 
 import pytest
 import torch
-from fp8_reference import fake_quantized
+from fp8_reference import dequantized_reference, fake_quantized
 from test_gpu_families import PROMPTS, gpu_model_dir
 
 from protos import common_pb2, exec_pb2
@@ -14,9 +14,8 @@ from protos import common_pb2, exec_pb2
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 MAX_TOKENS = 24
 # Greedy FP8 tokens that are the bfloat16 model's best next token too (teacher-forced on FP8's output), at least:
-# below the CPU bench's 0.9x on a trained model (BENCHMARKS.md, FP8 accuracy) because a random tiny model's top
-# logits are close together.
-MIN_AGREEMENT = 0.6
+# measured 49/96 (Llama), 74/96 (Qwen3), 80/96 (Gemma 2) on these random tiny models, whose top logits are close.
+MIN_AGREEMENT = 0.45
 
 
 def test_scaled_mm_rowwise_is_the_dequantized_product():
@@ -55,20 +54,45 @@ def test_inductor_fuses_the_activation_quantize_into_the_norm():
     assert fused, kernels
 
 
+def _fp8_kv_attention(module, query, key, value, *args, **kwargs):
+    """transformers' attention of the module's family (eager: Gemma 2's caps) over keys and values rounded to
+    float8_e4m3fn at scale 1, as Kiln's FP8 cache stores them."""
+    import sys
+
+    key, value = (t.clamp(-448, 448).to(torch.float8_e4m3fn).to(t.dtype) for t in (key, value))
+    return sys.modules[type(module).__module__].eager_attention_forward(module, query, key, value, *args, **kwargs)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])  # gemma2: head_dim 256, soft caps
-def test_family_fp8_with_fp8_kv_in_cuda_graphs_agrees_with_bf16(gpu_stub, tmp_path, model_type):
-    from transformers import AutoModelForCausalLM
+def test_family_fp8_with_fp8_kv_in_cuda_graphs(gpu_stub, tmp_path, model_type):
+    """Each greedy token is the best of the plain-torch FP8 model (dequantized weights, activations and KV rounded
+    to float8) within rounding (tests/greedy_judge.py); the top-1 agreement with the bfloat16 model is reported and
+    held to what was measured on these random tiny models (near-uniform logits: 0.51-0.83 on the H200, 2026-12-01;
+    0.97 on a trained model, BENCHMARKS.md)."""
+    from greedy_judge import assert_each_token_near_the_best
+    from test_gpu_families import COMPARED
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    from kiln.model.causal_lm import build_model
+    from kiln.model.spec import resolve
 
     gpu_model_dir(model_type, tmp_path)
     name = f"fp8-{model_type}"
+    spec = common_pb2.ModelSpec(hf_dir=str(tmp_path), dtype="bfloat16")
     request = exec_pb2.LoadModelRequest(
-        name=name, model=common_pb2.ModelSpec(hf_dir=str(tmp_path), dtype="bfloat16"), weights=str(tmp_path),
+        name=name, model=spec, weights=str(tmp_path),
         config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256, quantization="fp8"),
         max_model_len=512, max_num_seqs=8, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH, kv_cache_bytes=64 << 20,
         capture_sizes=[1, 2, 4, 8], kv_cache_dtype="fp8_e4m3")
     ready = list(gpu_stub.LoadModel(request))[-1].ready
     assert ready.quantization == "fp8" and ready.kv_cache_dtype == "float8_e4m3fn"
     try:
+        AttentionInterface.register("fp8_kv_reference", _fp8_kv_attention)
+        AttentionMaskInterface.register("fp8_kv_reference", ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # causal
+        reference = dequantized_reference(build_model(resolve(spec, "cuda"), "cuda", weights=str(tmp_path),
+                                                      quantization="fp8"))
+        reference.config._attn_implementation = "fp8_kv_reference"
         bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="eager")
         bf16 = bf16.to("cuda").eval()
         agree = total = 0
@@ -76,6 +100,7 @@ def test_family_fp8_with_fp8_kv_in_cuda_graphs_agrees_with_bf16(gpu_stub, tmp_pa
             got = [t for r in gpu_stub.Generate(exec_pb2.GenerateRequest(
                 model=name, prompt_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
                 for t in r.token_ids]
+            assert_each_token_near_the_best(reference, prompt, got, COMPARED)
             with torch.no_grad():
                 logits = bf16(torch.tensor([prompt + got], device="cuda")).logits[0, len(prompt) - 1:-1]
             agree += int((logits.argmax(-1).cpu() == torch.tensor(got)).sum())
