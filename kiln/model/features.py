@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from transformers import PretrainedConfig
 
 from kiln.errors import InvalidArgument, quote
+from kiln.quantization.model_quantization import check_supported, quantization_of
 
 # (config, device) -> why this value is refused, or None when Kiln honours it.
 Check = Callable[[PretrainedConfig, str], str | None]
@@ -94,8 +95,6 @@ def _no_attention_softcap(config: PretrainedConfig, device: str) -> str | None:
 def _quantization(config: PretrainedConfig, device: str) -> str | None:
     """FP8 checkpoints (compressed-tensors, transformers' fp8) are honoured; any other method or scheme is refused
     naming the field and its value, and so is FP8 on a device that cannot run it."""
-    from kiln.quantization.model_quantization import check_supported, quantization_of
-
     try:
         check_supported(quantization_of(config), device, "model config quantization_config")
     except InvalidArgument as exc:

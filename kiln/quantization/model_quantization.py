@@ -5,6 +5,7 @@ A model config with an honoured ``quantization_config`` is FP8 whatever the comp
 decides, as in vLLM). Its code factors are a key factor (kiln.model.factors): FP8 layers are other code.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ def fp8_unsupported(device: str) -> str | None:
     return _cpu_fp8_unsupported()
 
 
+@functools.cache
 def _cpu_fp8_unsupported() -> str | None:
     probe = torch.zeros(16, 16).to(torch.float8_e4m3fn)
     one = torch.ones((), dtype=torch.float32)
