@@ -113,7 +113,8 @@ def compile_config(args: argparse.Namespace, full_graph: bool) -> str:
 
     config = common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=int(args.max_num_batched_tokens),
                                       compile_sizes=[int(s) for s in args.compile_sizes.split(",") if s],
-                                      inductor_config_patches_json=args.inductor_config)
+                                      inductor_config_patches_json=args.inductor_config,
+                                      quantization=args.quantization)
     if full_graph:
         config.splitting_ops.SetInParent()
     return config.SerializeToString().hex()
@@ -131,6 +132,7 @@ def main() -> None:
                    help="comma-separated decoder layer counts to compile the preset with; '' is the preset's own")
     p.add_argument("--compile-sizes", default="", help="comma-separated static token counts, e.g. 1,8,32")
     p.add_argument("--inductor-config", default="", help='Inductor patches as JSON, e.g. {"max_autotune": true}')
+    p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
     p.add_argument("--keep-stores", type=Path, help="write the stores here (store-piecewise-L32/KEY) and keep them")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
