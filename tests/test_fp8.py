@@ -220,3 +220,29 @@ def test_fp8_kv_cache_doubles_the_blocks_and_serves(fp8_stub):
         _load(fp8_stub, "kv-bad", model, kv_cache_dtype="fp8_e5m2")
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_cache_dtype: 'fp8_e5m2'" in \
         raised.value.details()
+
+
+def test_an_fp8_layer_runs_one_scaled_mm_per_projection_group():
+    """q/k/v and gate/up each ask for their group's product; the compile service's pass leaves one quantize and one
+    _scaled_mm per group (Dynamo and Inductor leave three): 7 become 4."""
+    from compile_service.pipeline import _layer_examples
+    from kiln.model.merged_projections import merge_identical_linears
+
+    resolved = resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu")
+    module = build_model(resolved, "cpu", quantization="fp8")
+    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_num_batched_tokens=64))
+    counts = []
+
+    def count_products(gm, example_inputs):
+        def products():
+            return sum(n.op == "call_function" and n.target is torch._scaled_mm for n in gm.graph.nodes)
+
+        before = products()
+        merged = merge_identical_linears(gm)
+        counts.append((before, products(), merged))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(step, backend=count_products, fullgraph=True)(*inputs)
+    assert counts == [(7, 4, 3)]

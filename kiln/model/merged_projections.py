@@ -95,6 +95,9 @@ def merge_identical_linears(gm: torch.fx.GraphModule) -> int:
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch._scaled_mm)
 # Calls whose result is not a function of their arguments alone: random numbers, and ops that read state.
 _STATEFUL = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "seed", "grad", "autocast")
+# The operator module's functions that change their first argument (``x += y`` on a tensor traces to iadd).
+_MUTATING_OPERATORS = frozenset({"setitem", "delitem", "iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imod",
+                                 "imul", "imatmul", "ior", "ipow", "irshift", "isub", "itruediv", "ixor"})
 
 
 def _pure(node: torch.fx.Node) -> bool:
@@ -109,7 +112,7 @@ def _pure(node: torch.fx.Node) -> bool:
         if isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) or not (
                 module.startswith(("torch", "_operator")) or node.target in LINEAR_TARGETS):
             return False
-        if node.is_impure() or name in ("setitem", "delitem"):
+        if node.is_impure() or name in _MUTATING_OPERATORS:
             return False
     else:
         return False
