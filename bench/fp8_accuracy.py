@@ -1,5 +1,6 @@
 """FP8 against bfloat16 for the same weights: per-position top-1 agreement and the mean KL divergence of the
-next-token distributions, for FP8 linears (dynamic W8A8), an FP8 KV cache, and both.
+next-token distributions, for FP8 linears (dynamic W8A8), an FP8 KV cache (at Kiln's default scale 1.0, and at
+per-head scales calibrated on training text), and both.
 
 The model must give peaked distributions for the figures to mean anything (a random model's are near uniform, so any
 noise flips its top-1), so the bench first trains a small Llama for a few hundred steps on text Python itself ships
@@ -64,24 +65,38 @@ def train(path: Path, steps: int, seq_len: int = 128, batch: int = 8) -> None:
 
 
 @torch.no_grad()
-def next_token_logits(model, tokens: torch.Tensor, kv_dtype: torch.dtype | None) -> torch.Tensor:
+def next_token_logits(model, tokens: torch.Tensor, kv_dtype: torch.dtype | None,
+                      scales: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Kiln's forward over one sequence, its KV written to and read from a paged cache of ``kv_dtype`` (None: no
-    cache, the plain causal attention)."""
+    cache, the plain causal attention); an FP8 cache at ``scales`` per layer ([2, Hkv]), 1.0 without."""
+    return _forward(model, tokens, kv_dtype, scales)[0]
+
+
+@torch.no_grad()
+def calibrated_scales(model, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer and kv head, the largest |key| and |value| over ``tokens`` / 448: the scales a calibration pass
+    (vLLM's calculate_kv_scales, llm-compressor's kv_cache_scheme) gives."""
+    _, caches = _forward(model, tokens, torch.float32, None)
+    return [cache.abs().amax(dim=(1, 2, 4)) / 448.0 for cache in caches]
+
+
+def _forward(model, tokens: torch.Tensor, kv_dtype: torch.dtype | None, scales: list[torch.Tensor] | None):
     positions = torch.arange(len(tokens))
     if kv_dtype is None:
-        return model.logits(model(tokens, positions))
+        return model.logits(model(tokens, positions)), []
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     blocks = -(-len(tokens) // BLOCK_SIZE)
     caches = [torch.zeros(2, blocks, BLOCK_SIZE, config.num_key_value_heads, head_dim, dtype=kv_dtype)
               for _ in range(config.num_hidden_layers)]
-    scales = [torch.ones(2, config.num_key_value_heads) for _ in caches] if kv_dtype == torch.float8_e4m3fn else None
+    if kv_dtype == torch.float8_e4m3fn and scales is None:
+        scales = [torch.ones(2, config.num_key_value_heads) for _ in caches]
     meta = AttentionMetadata(slot_mapping=positions, query_start_loc=torch.tensor([0, len(tokens)], dtype=torch.int32),
                              seq_lens=torch.tensor([len(tokens)], dtype=torch.int32),
                              block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=len(tokens),
                              num_seqs=1)
-    with forward_context(ForwardContext(caches, meta, scales)):
-        return model.logits(model(tokens, positions))
+    with forward_context(ForwardContext(caches, meta, scales if kv_dtype == torch.float8_e4m3fn else None)):
+        return model.logits(model(tokens, positions)), caches
 
 
 def compare(reference: torch.Tensor, other: torch.Tensor) -> dict:
@@ -110,17 +125,22 @@ def main() -> None:
         fp8 = build_model(resolved, "cpu", weights=str(path), quantization="fp8")
         held_out = corpus(HELD_OUT_MODULES)
         sequences = [held_out[i:i + args.seq_len + 1] for i in range(0, args.positions, args.seq_len)]
-        variants = {"bf16": (bf16, torch.bfloat16), "fp8_linears": (fp8, torch.bfloat16),
-                    "fp8_kv": (bf16, torch.float8_e4m3fn), "fp8_linears_and_kv": (fp8, torch.float8_e4m3fn)}
-        logits = {name: torch.cat([next_token_logits(m, s, kv)[:-1] for s in sequences]).float()
-                  for name, (m, kv) in variants.items()}
+        scales = calibrated_scales(bf16, corpus(TRAIN_MODULES)[:args.seq_len])
+        fp8_kv = torch.float8_e4m3fn
+        variants = {"bf16": (bf16, torch.bfloat16, None), "fp8_linears": (fp8, torch.bfloat16, None),
+                    "fp8_kv": (bf16, fp8_kv, None), "fp8_kv_calibrated": (bf16, fp8_kv, scales),
+                    "fp8_linears_and_kv": (fp8, fp8_kv, None), "fp8_linears_and_kv_calibrated": (fp8, fp8_kv, scales)}
+        logits = {name: torch.cat([next_token_logits(m, s, kv, sc)[:-1] for s in sequences]).float()
+                  for name, (m, kv, sc) in variants.items()}
         targets = torch.cat([s[1:] for s in sequences])
         reference = logits["bf16"]
         rows = {"positions": len(targets),
                 "bf16_top1_accuracy": (reference.argmax(-1) == targets).float().mean().item(),
                 "bf16_mean_top1_probability": F.softmax(reference, -1).max(-1).values.mean().item(),
                 "bf16_loss": F.cross_entropy(reference, targets).item()}
-        for name in ("fp8_linears", "fp8_kv", "fp8_linears_and_kv"):
+        compared = [name for name in variants if name != "bf16"]
+        rows["kv_scales_calibrated"] = [[round(v, 4) for v in layer.flatten().tolist()] for layer in scales]
+        for name in compared:
             rows[name] = compare(reference, logits[name])
             rows[name]["loss"] = F.cross_entropy(logits[name], targets).item()
     print(json.dumps(rows, indent=1))
@@ -128,7 +148,7 @@ def main() -> None:
           f"probability {rows['bf16_mean_top1_probability']:.3f}, loss {rows['bf16_loss']:.3f}")
     print("| against bf16 | top-1 agreement | mean KL (nats) | p99 KL | loss |")
     print("|---|---|---|---|---|")
-    for name in ("fp8_linears", "fp8_kv", "fp8_linears_and_kv"):
+    for name in [n for n in rows if n.startswith("fp8_")]:
         r = rows[name]
         print(f"| {name} | {r['top1_agreement']:.4f} | {r['mean_kl']:.2e} | {r['p99_kl']:.2e} | {r['loss']:.3f} |")
 
