@@ -246,3 +246,17 @@ def test_an_fp8_layer_runs_one_scaled_mm_per_projection_group():
     with torch.no_grad():
         torch.compile(step, backend=count_products, fullgraph=True)(*inputs)
     assert counts == [(7, 4, 3)]
+
+
+def test_the_70b_preset_fits_an_h200_in_fp8_only(monkeypatch):
+    """The memory check before anything is allocated counts FP8 bytes: with the 100 GiB an H200 has left beside a
+    KV cache, Llama-3.1-70B's bfloat16 weights (131.4 GiB) are refused, its FP8 ones (67.7 GiB) go on to be built."""
+    from kiln.errors import ResourceExhausted
+    from kiln.model import causal_lm
+
+    resolved = resolve(common_pb2.ModelSpec(preset="llama-3.1-70b", dtype="bfloat16"), "cpu")
+    skeleton = causal_lm._skeleton(resolved)
+    monkeypatch.setattr(causal_lm, "available_bytes", lambda device: 100 << 30)
+    with pytest.raises(ResourceExhausted, match="take 131.4 GiB, the cuda has 100.0 GiB free"):
+        causal_lm._check_fits(skeleton, resolved, "cuda", None)
+    causal_lm._check_fits(skeleton, resolved, "cuda", model_quantization.quantization_of(None, "fp8"))
