@@ -51,6 +51,7 @@ class RequestTiming:
     arrivals: list[float] = field(default_factory=list)  # each message that carried tokens
     output_tokens: int = 0
     done: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the execute service found in its prefix cache (the last message's usage)
 
 
 async def load(stub, request) -> dict:
@@ -88,6 +89,8 @@ async def send_all(stub, model: str, prompts: list[list[int]], output_len: int, 
             if response.token_ids:
                 timing.arrivals.append(time.perf_counter())
                 timing.output_tokens += len(response.token_ids)
+            if response.HasField("usage"):
+                timing.cached_tokens = response.usage.cached_tokens
         timing.done = time.perf_counter()
         return timing
 

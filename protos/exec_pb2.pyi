@@ -40,7 +40,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("name", "model", "config", "key", "weights", "weights_seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_bytes", "block_size", "capture_sizes", "runtime_mode", "max_num_waiting", "kv_cache_dtype", "kv_cache_scale")
+    __slots__ = ("name", "model", "config", "key", "weights", "weights_seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_bytes", "block_size", "capture_sizes", "runtime_mode", "max_num_waiting", "kv_cache_dtype", "kv_cache_scale", "enable_prefix_caching")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class LoadModelRequest(_message.Message):
     MAX_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: _common_pb2.ModelSpec
     config: _common_pb2.CompileConfig
@@ -75,7 +76,8 @@ class LoadModelRequest(_message.Message):
     max_num_waiting: int
     kv_cache_dtype: str
     kv_cache_scale: float
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., weights: _Optional[str] = ..., weights_seed: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[_Union[RuntimeMode, str]] = ..., max_num_waiting: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_scale: _Optional[float] = ...) -> None: ...
+    enable_prefix_caching: bool
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., weights: _Optional[str] = ..., weights_seed: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[_Union[RuntimeMode, str]] = ..., max_num_waiting: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_scale: _Optional[float] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class StartupPhase(_message.Message):
     __slots__ = ("phase", "seconds", "detail", "progress", "step")
@@ -92,7 +94,7 @@ class StartupPhase(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ..., progress: _Optional[bool] = ..., step: _Optional[str] = ...) -> None: ...
 
 class ModelSizing(_message.Message):
-    __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size", "kv_window", "dtype", "kv_cache_dtype", "quantization")
+    __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size", "kv_window", "dtype", "kv_cache_dtype", "quantization", "prefix_caching")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class ModelSizing(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     key: _common_pb2.ArtifactKey
     num_kv_blocks: int
     block_size: int
@@ -133,7 +136,8 @@ class ModelSizing(_message.Message):
     dtype: str
     kv_cache_dtype: str
     quantization: str
-    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., cudagraph_bytes: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[str] = ..., device: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., kv_window: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    prefix_caching: bool
+    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., cudagraph_bytes: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[str] = ..., device: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., kv_window: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class LoadModelEvent(_message.Message):
     __slots__ = ("phase", "ready")
@@ -158,7 +162,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "state", "sizing", "error", "num_waiting", "num_running", "num_free_blocks", "peak_used_blocks")
+    __slots__ = ("name", "state", "sizing", "error", "num_waiting", "num_running", "num_free_blocks", "peak_used_blocks", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_blocks", "prefix_cache_evicted_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     SIZING_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +171,10 @@ class ModelInfo(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEAK_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: ModelState
     sizing: ModelSizing
@@ -175,7 +183,11 @@ class ModelInfo(_message.Message):
     num_running: int
     num_free_blocks: int
     peak_used_blocks: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., sizing: _Optional[_Union[ModelSizing, _Mapping]] = ..., error: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ...) -> None: ...
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_blocks: int
+    prefix_cache_evicted_blocks: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., sizing: _Optional[_Union[ModelSizing, _Mapping]] = ..., error: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., peak_used_blocks: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -246,20 +258,22 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "output_tokens", "time_to_first_token_s", "total_s", "queue_s", "num_preemptions")
+    __slots__ = ("prompt_tokens", "output_tokens", "time_to_first_token_s", "total_s", "queue_s", "num_preemptions", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     output_tokens: int
     time_to_first_token_s: float
     total_s: float
     queue_s: float
     num_preemptions: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "index", "logprobs")

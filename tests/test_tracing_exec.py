@@ -198,7 +198,7 @@ def test_a_request_span_per_generate_with_the_genai_attributes(traced_run):
             spans.GEN_AI_REQUEST_MAX_TOKENS: MAX_TOKENS, spans.GEN_AI_REQUEST_TEMPERATURE: 0.0,
             spans.GEN_AI_REQUEST_TOP_P: 1.0, spans.GEN_AI_USAGE_INPUT_TOKENS: len(prompt),
             spans.GEN_AI_USAGE_OUTPUT_TOKENS: MAX_TOKENS, spans.GEN_AI_RESPONSE_FINISH_REASONS: ["length"],
-            spans.NUM_PREEMPTIONS: 0}
+            spans.NUM_PREEMPTIONS: 0, spans.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: usage.cached_tokens}
         assert usage.output_tokens == MAX_TOKENS
         assert server.start_ns <= span.start_ns <= span.end_ns <= server.end_ns
 

@@ -78,7 +78,9 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
                         max_num_batched_tokens=request.max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
                         capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
-                        kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale)
+                        kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
+                        enable_prefix_caching=not request.HasField("enable_prefix_caching")
+                        or request.enable_prefix_caching)
 
 
 def _kv_cache_dtype(request: exec_pb2.LoadModelRequest, device: str) -> tuple[str, float]:

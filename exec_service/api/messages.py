@@ -1,6 +1,6 @@
 """The engine's Python values as the protobuf messages the API sends: the one place they become wire types."""
 
-from exec_service.engine.request_stream import RequestOutput
+from exec_service.engine.sampler import TokenLogprobs
 from exec_service.engine.sequence import FinishReason, Usage
 from exec_service.startup.load_model import ModelSizing, StartupPhase
 from exec_service.telemetry.forward_stats import BatchSizeStat
@@ -23,6 +23,7 @@ def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:
         cudagraph_bytes=s.cudagraph_bytes, total_memory_bytes=s.total_memory_bytes, capture_sizes=s.capture_sizes,
         runtime_mode=s.runtime_mode.value, device=s.device, vocab_size=s.vocab_size, kv_window=s.kv_window,
         dtype=s.dtype, kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization,
+        prefix_caching=s.prefix_caching,
         timings=[common_pb2.PhaseTiming(phase=phase, seconds=seconds) for phase, seconds in s.timings])
 
 
@@ -30,14 +31,22 @@ def usage_message(usage: Usage) -> exec_pb2.Usage:
     return exec_pb2.Usage(
         prompt_tokens=usage.prompt_tokens, output_tokens=usage.output_tokens,
         time_to_first_token_s=usage.time_to_first_token_s, total_s=usage.total_s, queue_s=usage.queue_s,
-        num_preemptions=usage.num_preemptions)
+        num_preemptions=usage.num_preemptions, cached_tokens=usage.cached_tokens)
 
 
-def generate_response(output: RequestOutput, text: str) -> exec_pb2.GenerateResponse:
-    response = exec_pb2.GenerateResponse(token_ids=output.token_ids, text=text,
-                                         finish_reason=FINISH_REASONS[output.finish_reason])
-    if output.usage is not None:
-        response.usage.CopyFrom(usage_message(output.usage))
+def generate_response(token_ids: list[int], text: str, finish_reason: FinishReason | None, usage: Usage | None,
+                      index: int, logprobs: list[TokenLogprobs] | None,
+                      token_texts: dict[int, str] | None) -> exec_pb2.GenerateResponse:
+    """``token_texts``: the text of every token in ``logprobs`` (None without a tokenizer)."""
+    response = exec_pb2.GenerateResponse(token_ids=token_ids, text=text, finish_reason=FINISH_REASONS[finish_reason],
+                                         index=index)
+    if usage is not None:
+        response.usage.CopyFrom(usage_message(usage))
+    texts = token_texts or {}
+    for logprob in logprobs or ():
+        response.logprobs.append(exec_pb2.TokenLogprob(
+            token_id=logprob.token_id, logprob=logprob.logprob, token=texts.get(logprob.token_id, ""),
+            top=[exec_pb2.TokenLogprob(token_id=t, logprob=lp, token=texts.get(t, "")) for t, lp in logprob.top]))
     return response
 
 

@@ -4,6 +4,8 @@ sequences, under two budgets (tokens per step, sequences at once).
 A step mixes decodes (one token) with prefill chunks (up to the token budget), and decodes come first, so a long
 prompt never stalls the sequences already generating. When the KV cache runs out, the newest running sequence not
 yet in the step is preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue.
+A sequence admitted from the waiting queue starts after the longest prefix of its tokens the prefix cache holds
+(BlockManager), so its first chunk is a later chunk of a chunked prefill.
 With a KV window, each step first gives back the blocks that have fallen out of every running sequence's window.
 
 The engine schedules step N+1 before it has read step N's tokens (they are still on the device): a sequence that
@@ -105,10 +107,16 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted while a step sampled for it: admitted once that token is read
                 break
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            cached = self.block_manager.cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(seq.num_uncomputed_tokens - num_cached, budget)
+            if not self.block_manager.can_admit(seq, cached, num_cached + num_new):
                 break
             self.waiting.popleft()
+            if self.block_manager.caching:
+                self.block_manager.take_cached(seq, cached)
+                if seq.first_scheduled_s is None:
+                    seq.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             entries.append(self._run(seq, num_new))
@@ -167,6 +175,7 @@ class Scheduler:
             seq.first_scheduled_s = time.perf_counter()
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_new
+        self.block_manager.register_full_blocks(seq)
         samples = seq.num_uncomputed_tokens == 0
         if samples:
             seq.num_pending += 1

@@ -5,6 +5,7 @@ it measured. The order is the contract: the memory profile runs on the eager mod
 loaded.
 """
 
+import hashlib
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from opentelemetry import trace
 
+from exec_service.engine import block_hash
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine, StepObserver
 from exec_service.engine.model_runner import ModelRunner
@@ -85,6 +87,7 @@ class ModelSizing:
     vocab_size: int
     kv_window: int  # tokens of KV a sequence keeps (every layer windowed), 0: all of them
     dtype: str  # what the model runs in: the request's, or the device's default
+    prefix_caching: bool
     kv_cache_dtype: str = ""  # what the KV cache stores (the model's dtype, or float8_e4m3fn)
     quantization: str = ""  # "fp8" when the decoder's linears are FP8
 
@@ -222,7 +225,9 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
             else:
                 event.detail = f"skipped: runtime mode {config.runtime_mode}"
 
-    engine = Engine(target.name, runner, config, _eos_token_ids(target.resolved), step_observers)
+    prefix_root = block_hash.model_root(_model_identity(target, config, runner, fetched)) \
+        if config.enable_prefix_caching else None
+    engine = Engine(target.name, runner, config, _eos_token_ids(target.resolved), step_observers, prefix_root)
     engine.start()
     total = time.perf_counter() - started
     emit(StartupPhase("ready", seconds=total, detail=f"{target.name} serves ({config.runtime_mode})"))
@@ -234,8 +239,28 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
         total_memory_bytes=budget.total_bytes, capture_sizes=config.capture_sizes,
         runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
         vocab_size=target.resolved.config.vocab_size, kv_window=runner.kv_window, dtype=target.resolved.dtype_name,
-        kv_cache_dtype=str(runner.kv_cache_spec.dtype).removeprefix("torch."), quantization=runner.quantization)
+        kv_cache_dtype=str(runner.kv_cache_spec.dtype).removeprefix("torch."), quantization=runner.quantization,
+        prefix_caching=config.enable_prefix_caching)
     return StartedModel(engine, sizing, tokenizer)
+
+
+def _model_identity(target: LoadTarget, config: EngineConfig, runner: ModelRunner,
+                    fetched: FetchedBundle | None) -> dict[str, str | int]:
+    """What besides the tokens changes the keys and values a block holds: the prefix cache's root hash covers it.
+
+    The bundle key covers the model config and dtype when there is a bundle; the hashes of the model spec and of the
+    config cover the eager mode and whatever a spec or a config says of quantization. The block pool is the loaded
+    model's own as well, so a model loaded again under the same name starts with an empty cache either way.
+    """
+    resolved = target.resolved
+    return {
+        "bundle_key": fetched.key if fetched else "",
+        "model_spec": hashlib.sha256(target.spec.SerializeToString(deterministic=True)).hexdigest(),
+        "model_config": hashlib.sha256(resolved.config.to_json_string(use_diff=False).encode()).hexdigest(),
+        "dtype": resolved.dtype_name, "weights": target.weights, "weights_seed": target.weights_seed,
+        "device": config.device, "runtime_mode": config.runtime_mode.value, "block_size": config.block_size,
+        "kv_window": runner.kv_window,
+    }
 
 
 def _load_tokenizer(target: LoadTarget, step: StepFn):

@@ -75,7 +75,7 @@ def _record_outcome(span: trace.Span, seq: Sequence, failed: bool) -> None:
     usage = seq.usage()
     span.set_attributes({
         spans.GEN_AI_USAGE_OUTPUT_TOKENS: usage.output_tokens, spans.QUEUE_S: usage.queue_s,
-        spans.NUM_PREEMPTIONS: usage.num_preemptions,
+        spans.NUM_PREEMPTIONS: usage.num_preemptions, spans.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: usage.cached_tokens,
     })
     if seq.first_token_s is not None:
         span.set_attribute(spans.TIME_TO_FIRST_TOKEN_S, usage.time_to_first_token_s)
