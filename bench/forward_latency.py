@@ -202,7 +202,7 @@ def main() -> None:
               f"{r['hf_ms'] / r['kiln_ms']:.1f}x |")
     prefill = prefill_ms(model, compiled, args.prefill_tokens, vocab) if args.prefill_tokens else None
     if prefill is not None:
-        print(f"\none prefill step of {args.prefill_tokens} new tokens (compiled, logits of the last): {prefill:.2f} ms")
+        print(f"\none prefill step of {args.prefill_tokens} new tokens (compiled, last logits): {prefill:.2f} ms")
     if args.json_out:
         args.json_out.write_text(json.dumps({"bandwidth": bandwidth, "rows": rows, "prefill_ms": prefill}, indent=1))
         plot(rows, args.json_out.with_suffix(".png"), args.preset)
