@@ -216,10 +216,13 @@ def test_fp8_kv_cache_doubles_the_blocks_and_serves(fp8_stub):
     reference.write_kv(k, v, cache, torch.tensor([0, 5, -1]), scales)
     back = reference.read_kv(cache[0].view(-1, 2, 16)[[0, 5]], scales, 0, torch.float32)
     assert torch.equal(back, (k[:2] / 0.5).to(FP8).float() * 0.5)
-    with pytest.raises(grpc.RpcError) as raised:
-        _load(fp8_stub, "kv-bad", model, kv_cache_dtype="fp8_e5m2")
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_cache_dtype: 'fp8_e5m2'" in \
-        raised.value.details()
+    for fields, said in [(dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype: 'fp8_e5m2'"),
+                         (dict(kv_cache_dtype="fp8_e4m3", kv_cache_scale=5000.0), "kv_cache_scale: 5000.0 is outside"),
+                         (dict(kv_cache_dtype="fp8_e4m3", kv_cache_scale=-1.0), "kv_cache_scale: -1.0 is outside"),
+                         (dict(kv_cache_scale=2.0), "kv_cache_scale: given, but kv_cache_dtype is the model's")]:
+        with pytest.raises(grpc.RpcError) as raised:
+            _load(fp8_stub, "kv-bad", model, **fields)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and said in raised.value.details()
 
 
 def test_an_fp8_layer_runs_one_scaled_mm_per_projection_group():
