@@ -4,7 +4,9 @@ The product is ``torch._scaled_mm`` (cuBLASLt row-wise scaling on Hopper, oneDNN
 real path. The activation quantize is plain torch ops in the traced graph, where Inductor fuses it into the kernel
 that makes the activation (the RMSNorm before q/k/v and gate/up, SiLU×up before down; docs/fp8.md).
 
-Weights are module tensors like any other: a compiled layer takes them as call inputs, never as constants.
+Weights are module tensors like any other: a compiled layer takes them as call inputs, never as constants. (Not
+torchao's Float8 config: it runs on CUDA of compute capability 8.9+ only, and its weights are tensor subclasses;
+docs/fp8.md.)
 """
 
 import torch
