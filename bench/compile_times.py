@@ -112,7 +112,7 @@ def compile_config(args: argparse.Namespace, full_graph: bool) -> str:
     from kiln.client.requests import compile_config as build
 
     config = build(args.device, [int(s) for s in args.compile_sizes.split(",") if s], int(args.max_compiled_tokens),
-                   () if full_graph else None, args.inductor_config)
+                   () if full_graph else None, args.inductor_config, args.quantization)
     return config.SerializeToString().hex()
 
 
@@ -129,6 +129,7 @@ def main() -> None:
                    help="comma-separated decoder layer counts to compile the preset with; '' is the preset's own")
     p.add_argument("--compile-sizes", default="", help="comma-separated static token counts, e.g. 1,8,32")
     p.add_argument("--inductor-config", default="", help='Inductor patches as JSON, e.g. {"max_autotune": true}')
+    p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
     p.add_argument("--keep-stores", type=Path, help="write the stores here (store-piecewise-L32/KEY) and keep them")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))

@@ -216,7 +216,8 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
     try:
         services.start(300)
         spec = model_spec(args.preset, args.dtype)
-        config = compile_config(args.device, max_compiled_tokens=args.max_num_batched_tokens)
+        config = compile_config(args.device, max_compiled_tokens=args.max_num_batched_tokens,
+                                quantization=args.quantization)
         async with connect_aio(services.compile.address) as channel:
             started = time.perf_counter()
             await compile_model_async(compile_pb2_grpc.CompileServiceStub(channel),
@@ -224,7 +225,8 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             cold_compile_s = time.perf_counter() - started
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
                                             max_model_len=args.max_prompt + args.output_len + 16,
-                                            piecewise_capture_sizes=args.piecewise_capture_sizes)
+                                            piecewise_capture_sizes=args.piecewise_capture_sizes,
+                                            kv_cache_dtype=args.kv_cache_dtype)
         async with connect_aio(services.exec.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             print("LoadModel (bundle downloaded from the compile service):")
@@ -346,6 +348,8 @@ def main() -> None:
     p.add_argument("--model", default="", help="with --exec-server: the name of a model loaded there")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
+    p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3"], help="fp8_e4m3: an FP8 KV cache")
     args = p.parse_args()
     if bool(args.exec_server) != bool(args.model):
         p.error("--exec-server and --model go together")

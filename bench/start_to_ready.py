@@ -231,13 +231,14 @@ def main(argv: list[str] | None = None) -> list[Run]:
     p.add_argument("--no-evict", action="store_true", help="leave the page cache as it is before a cold run")
     p.add_argument("--runtime-mode", default="", help="eager, compiled or cudagraph (default: the device's best)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
     model = common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype)
     config = compile_config(args.device, [int(s) for s in args.compile_sizes.split(",") if s],
-                            args.max_compiled_tokens)
+                            args.max_compiled_tokens, quantization=args.quantization)
     with tempfile.TemporaryDirectory(prefix="kiln-start-to-ready-") as name:
         tmp = Path(name)
         store = (args.store or tmp / "store").resolve()

@@ -78,12 +78,14 @@ def add_compile_config_args(p) -> None:
                    help="ops to split the graph at ('' for one full graph; default: Kiln's attention)")
     p.add_argument("--inductor-config", type=json_object, default="", metavar="JSON",
                    help="Inductor config patches as a JSON object, e.g. '{\"max_autotune\": false}'")
+    p.add_argument("--quantization", default="", choices=["", "fp8"],
+                   help="fp8: the decoder's linears in FP8, quantized at load (docs/fp8.md; default: none)")
 
 
 def compile_config(args) -> common_pb2.CompileConfig:
     """The CompileConfig the compile flags of ``kiln compile`` and ``kiln load`` describe."""
     return build_compile_config(args.device, args.compile_sizes, args.max_compiled_tokens, args.splitting_ops,
-                                args.inductor_config)
+                                args.inductor_config, args.quantization)
 
 
 def run_compile_server(args) -> int:

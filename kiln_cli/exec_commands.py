@@ -70,6 +70,10 @@ def register(subparsers) -> None:
                    help="batch sizes with a CUDA graph (default: 1,2,4 and the multiples of 8 up to max_num_seqs)")
     p.add_argument("--max-num-waiting", type=int, default=0,
                    help="requests that may wait for a slot before Generate answers RESOURCE_EXHAUSTED (default: 256)")
+    p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3", "fp8"],
+                   help="fp8_e4m3: keys and values in FP8, twice the blocks (default: the model's dtype)")
+    p.add_argument("--kv-cache-scale", type=float, default=0.0,
+                   help="the FP8 cache's scale, every layer and head (default: 1.0)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt token; by default full KV blocks are reused by later prompts with the "
                         "same prefix (docs/prefix-caching.md)")
@@ -177,7 +181,8 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=args.capture_sizes, max_num_waiting=args.max_num_waiting,
-        runtime_mode=runtime_mode_to_proto(args.runtime_mode), piecewise_capture_sizes=args.piecewise_capture_sizes)
+        runtime_mode=runtime_mode_to_proto(args.runtime_mode), piecewise_capture_sizes=args.piecewise_capture_sizes,
+        kv_cache_dtype=args.kv_cache_dtype, kv_cache_scale=args.kv_cache_scale)
     if args.no_prefix_caching:
         request.enable_prefix_caching = False
     if args.key:

@@ -4,11 +4,13 @@ import re
 
 from exec_service.api.runtime_modes import runtime_mode_from_proto
 from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES, EngineConfig
+from exec_service.engine.kv_cache import KV_CACHE_DTYPES
 from exec_service.startup.load_model import LoadTarget
 from kiln.compilation.config import MIN_COMPILED_TOKENS, CompileConfig
 from kiln.errors import InvalidArgument
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
+from kiln.quantization.model_quantization import fp8_unsupported
 from kiln.runtime_mode import RuntimeMode
 from protos import exec_pb2
 
@@ -20,6 +22,7 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_WAITING = 256
 MAX_BLOCK_SIZE = 256
 MAX_PIECEWISE_CAPTURE_SIZES = 64
+MAX_KV_CACHE_SCALE = 1000.0
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -79,10 +82,13 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
     max_num_waiting = request.max_num_waiting or DEFAULT_MAX_NUM_WAITING
     if max_num_waiting < 1:
         raise InvalidArgument(f"max_num_waiting: {max_num_waiting} must be positive")
+    kv_cache_dtype, kv_cache_scale = _kv_cache_dtype(request, device)
     return EngineConfig(device=device, runtime_mode=mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
                         capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
+                        kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
+                        quantization=compile_config.quantization,
                         enable_prefix_caching=not request.HasField("enable_prefix_caching")
                         or request.enable_prefix_caching, piecewise_capture_sizes=piecewise)
 
@@ -114,6 +120,23 @@ def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMod
     if mode != RuntimeMode.CUDAGRAPH:
         raise InvalidArgument(f"piecewise_capture_sizes: given, but runtime_mode is {mode}")
     return tuple(sorted(set(sizes)))
+
+
+def _kv_cache_dtype(request: exec_pb2.LoadModelRequest, device: str) -> tuple[str, float]:
+    name = request.kv_cache_dtype
+    if name and name not in KV_CACHE_DTYPES:
+        raise InvalidArgument(f"kv_cache_dtype: {name!r} is not one of {', '.join(map(repr, KV_CACHE_DTYPES))} "
+                              f"(empty: the model's dtype)")
+    scale = request.kv_cache_scale or 1.0
+    if not 0 < scale <= MAX_KV_CACHE_SCALE:  # also refuses NaN
+        raise InvalidArgument(f"kv_cache_scale: {request.kv_cache_scale} is outside (0, {MAX_KV_CACHE_SCALE:g}]")
+    if request.kv_cache_scale and not name:
+        raise InvalidArgument("kv_cache_scale: given, but kv_cache_dtype is the model's dtype (set fp8_e4m3)")
+    if name and device == "cuda":  # the CPU reference casts with torch, which every CPU build does
+        why = fp8_unsupported(device)
+        if why:
+            raise InvalidArgument(f"kv_cache_dtype: {name!r} asked for, but {why}")
+    return name, scale
 
 
 def model_name(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel) -> str:

@@ -31,8 +31,8 @@ class CUDAGraphs:
         self.captured_bytes = 0
         self.seconds = 0.0
 
-    def capture(self, kv_caches: list[torch.Tensor], on_captured: Callable[[int, int], None] = lambda *_: None
-                ) -> float:
+    def capture(self, kv_caches: list[torch.Tensor], on_captured: Callable[[int, int], None] = lambda *_: None,
+                kv_scales: list[torch.Tensor] | None = None) -> float:
         """Capture every size, largest first so the smaller graphs fit in the pool the largest allocated.
 
         ``on_captured(size, done)`` reports progress after each size. Returns the seconds it took;
@@ -43,7 +43,7 @@ class CUDAGraphs:
         free_before, _ = torch.cuda.mem_get_info()
         input_ids, positions = self.buffers.input_ids, self.buffers.positions
         for size in reversed(self.capture_sizes):
-            with forward_context(ForwardContext(kv_caches, self.buffers.graph_metadata(size))):
+            with forward_context(ForwardContext(kv_caches, self.buffers.graph_metadata(size), kv_scales)):
                 self.hidden[:size] = self.forward(input_ids[:size], positions[:size])  # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):

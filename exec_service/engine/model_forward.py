@@ -20,8 +20,8 @@ class ModelForward:
         return self.compiled(self.token_model, input_ids, positions)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 metadata: AttentionMetadata) -> torch.Tensor:
-        with forward_context(ForwardContext(kv_caches, metadata)):
+                 metadata: AttentionMetadata, kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
+        with forward_context(ForwardContext(kv_caches, metadata, kv_scales)):
             if self.compiled is None:
                 return self.token_model(input_ids, positions)
             return self.compiled_forward(input_ids, positions)

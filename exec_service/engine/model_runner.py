@@ -35,6 +35,7 @@ class KVCache:
     caches: list[torch.Tensor]
     num_blocks: int  # blocks sequences may hold
     kv_window: int  # kiln.attention.windows.kv_window of the model (0: every block kept)
+    scales: list[torch.Tensor] | None = None  # per layer of an FP8 cache (kv_cache.allocate_scales); else None
 
     @property
     def bytes(self) -> int:
@@ -115,11 +116,12 @@ class ModelRunner:
             if path == StepPath.FULL_GRAPH:
                 hidden = self.full_graphs.replay(padded)
             elif path == StepPath.PIECEWISE_GRAPH:
-                with forward_context(ForwardContext(self.kv_cache.caches, inputs.metadata)), \
+                with forward_context(ForwardContext(self.kv_cache.caches, inputs.metadata, self.kv_cache.scales)), \
                         self.piecewise_graphs.replay(padded):
                     hidden = self.forward.compiled_forward(inputs.input_ids, inputs.positions)
             else:
-                hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache.caches, inputs.metadata)
+                hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache.caches, inputs.metadata,
+                                      self.kv_cache.scales)
         logits = self.forward.token_model.logits(hidden[inputs.sample_rows])
         options = sampling_options(batch.sampling_entries, inputs.input_ids[inputs.sample_rows], logits.shape[-1])
         sampled = sample(logits, inputs.sampling, options)

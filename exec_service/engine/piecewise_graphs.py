@@ -147,8 +147,8 @@ class PiecewiseGraphs:
             return None
         return next(size for size in self.sizes if size >= num_tokens)
 
-    def capture(self, kv_caches: list[torch.Tensor], on_captured: Callable[[int, int], None] = lambda *_: None
-                ) -> float:
+    def capture(self, kv_caches: list[torch.Tensor], on_captured: Callable[[int, int], None] = lambda *_: None,
+                kv_scales: list[torch.Tensor] | None = None) -> float:
         """Capture every size, largest first; ``kv_caches`` serve the eager attention meanwhile (any cache of the
         model's layout: the graphs never read it). Returns the seconds it took; ``captured_bytes`` is the device
         memory the graphs and their staging buffers hold."""
@@ -157,7 +157,7 @@ class PiecewiseGraphs:
         free_before, _ = torch.cuda.mem_get_info()
         for size in reversed(self.sizes):
             capture = _Capture(self, size)
-            with forward_context(ForwardContext(kv_caches, self.buffers.piecewise_capture_metadata(size))), \
+            with forward_context(ForwardContext(kv_caches, self.buffers.piecewise_capture_metadata(size), kv_scales)), \
                     piece_calls(capture):
                 self.forward(self.buffers.input_ids[:size], self.buffers.positions[:size])
             self.graphs[size] = capture.graphs

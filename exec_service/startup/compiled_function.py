@@ -39,7 +39,7 @@ def warm_up_compiled(forward: ModelForward, config: EngineConfig, compile_sizes:
 
 @torch.no_grad()
 def warm_up_paged_attention(forward: ModelForward, kv_caches: list[torch.Tensor], block_size: int,
-                            device: str) -> None:
+                            device: str, kv_scales: list[torch.Tensor] | None = None) -> None:
     """A two-token prefill, then one decode step, of one sequence through a paged KV cache: the attention kernels
     are built here (Triton's JIT), not in a request's first step. ``kv_caches`` need only its first blocks."""
     blocks = -(-3 // block_size)
@@ -52,4 +52,4 @@ def warm_up_paged_attention(forward: ModelForward, kv_caches: list[torch.Tensor]
             slot_mapping=positions, query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
             seq_lens=torch.tensor([end], dtype=torch.int32, device=device), block_tables=table,
             max_query_len=end - start, num_seqs=1)
-        forward(torch.zeros_like(positions), positions, kv_caches, metadata)
+        forward(torch.zeros_like(positions), positions, kv_caches, metadata, kv_scales)

@@ -30,12 +30,13 @@ def _out_of_memory(exc: torch.OutOfMemoryError, field: str, what: str) -> Resour
 
 @torch.no_grad()
 def capture_piecewise(forward: ModelForward, config: EngineConfig, buffers: StepBuffers,
-                      scratch_kv: list[torch.Tensor], pool, on_captured: OnCaptured) -> PiecewiseGraphs:
+                      scratch_kv: list[torch.Tensor], pool, on_captured: OnCaptured,
+                      scratch_scales: list[torch.Tensor] | None = None) -> PiecewiseGraphs:
     persistent = [*forward.token_model.parameters(), *forward.token_model.buffers()]
     graphs = PiecewiseGraphs(forward.compiled_forward, config.piecewise_capture_sizes, buffers, persistent, pool)
     try:
         with expect_no_compile("piecewise CUDA-graph capture"):
-            graphs.capture(scratch_kv, on_captured)
+            graphs.capture(scratch_kv, on_captured, scratch_scales)
     except torch.OutOfMemoryError as exc:
         raise _out_of_memory(exc, "piecewise_capture_sizes", "piecewise CUDA graphs") from exc
     return graphs
@@ -43,12 +44,12 @@ def capture_piecewise(forward: ModelForward, config: EngineConfig, buffers: Step
 
 @torch.no_grad()
 def full_graph_bytes(forward: ModelForward, config: EngineConfig, resolved: ResolvedModel, buffers: StepBuffers,
-                     scratch_kv: list[torch.Tensor], pool) -> int:
+                     scratch_kv: list[torch.Tensor], pool, scratch_scales: list[torch.Tensor] | None = None) -> int:
     """Device memory the full graphs will take: the largest captured on the scratch cache, then let go."""
     probe = _full_graphs(forward, (max(config.capture_sizes),), resolved, buffers, pool)
     try:
         with expect_no_compile("CUDA-graph capture"):
-            probe.capture(scratch_kv)
+            probe.capture(scratch_kv, kv_scales=scratch_scales)
     except torch.OutOfMemoryError as exc:
         raise _out_of_memory(exc, "capture_sizes", "full CUDA graphs") from exc
     return probe.captured_bytes
@@ -56,11 +57,12 @@ def full_graph_bytes(forward: ModelForward, config: EngineConfig, resolved: Reso
 
 @torch.no_grad()
 def capture_full(forward: ModelForward, config: EngineConfig, resolved: ResolvedModel, buffers: StepBuffers,
-                 kv_caches: list[torch.Tensor], pool, on_captured: OnCaptured) -> CUDAGraphs:
+                 kv_caches: list[torch.Tensor], pool, on_captured: OnCaptured,
+                 kv_scales: list[torch.Tensor] | None = None) -> CUDAGraphs:
     graphs = _full_graphs(forward, config.capture_sizes, resolved, buffers, pool)
     try:
         with expect_no_compile("CUDA-graph capture"):
-            graphs.capture(kv_caches, on_captured)
+            graphs.capture(kv_caches, on_captured, kv_scales)
     except torch.OutOfMemoryError as exc:
         raise _out_of_memory(exc, "capture_sizes", "full CUDA graphs") from exc
     return graphs

@@ -76,10 +76,11 @@ def memory_budget(config: EngineConfig, weights_bytes: int, activation_peak_byte
     return cpu_budget(weights_bytes, config.kv_cache_bytes)
 
 
-def allocate(spec: KVCacheSpec, blocks: int, device: str, kv_window: int) -> KVCache:
-    """A cache of ``blocks`` blocks; with a KV window its last one is the null block (BlockManager)."""
+def allocate(spec: KVCacheSpec, blocks: int, device: str, kv_window: int, kv_cache_scale: float = 1.0) -> KVCache:
+    """A cache of ``blocks`` blocks; with a KV window its last one is the null block (BlockManager). An FP8 cache
+    gets its per-layer scales, every head ``kv_cache_scale``."""
     caches = kv_cache.allocate(spec, blocks, device)
     usable = blocks - 1 if kv_window else blocks
     window = f", KV window {kv_window} tokens (+1 null block)" if kv_window else ""
     log.info("# %s blocks: %d%s", "GPU" if device == "cuda" else "CPU", usable, window)
-    return KVCache(caches, usable, kv_window)
+    return KVCache(caches, usable, kv_window, kv_cache.allocate_scales(spec, kv_cache_scale, device))

@@ -98,6 +98,8 @@ class ModelSizing:
     prefix_caching: bool
     piecewise_capture_sizes: tuple[int, ...] = ()  # token counts of the piecewise graphs (none: off)
     piecewise_graph_bytes: int = 0  # of cudagraph_bytes, what the piecewise graphs and their inputs hold
+    kv_cache_dtype: str = ""  # what the KV cache stores (the model's dtype, or float8_e4m3fn)
+    quantization: str = ""  # "fp8" when the decoder's linears are FP8
 
 
 @dataclass
@@ -191,7 +193,8 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
             event.detail = f"{loaded.weights_bytes / 1e6:.1f} MB from {target.weights}"
             span.set_attributes({spans.BYTES: loaded.weights_bytes, spans.WEIGHTS: target.weights})
 
-        kv_spec = kv_cache.KVCacheSpec.from_config(target.resolved.config, config.block_size, target.resolved.dtype)
+        kv_spec = kv_cache.KVCacheSpec.from_config(target.resolved.config, config.block_size,
+                                                   kv_cache.cache_dtype(config.kv_cache_dtype, target.resolved.dtype))
         with phases.phase(spans.PROFILE_MEMORY) as (event, span):
             with phases.step(spans.PROFILE_FORWARD):
                 activation_peak = profile_memory(loaded.token_model, config)
@@ -207,6 +210,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
         buffers = StepBuffers.for_config(config, target.resolved.config.vocab_size)
         # A few blocks for the warm-ups and the piece graphs' eager attention before the real cache exists.
         scratch_kv = kv.caches if kv else kv_cache.allocate(kv_spec, -(-3 // config.block_size), config.device)
+        scratch_scales = kv.scales if kv else kv_cache.allocate_scales(kv_spec, config.kv_cache_scale, config.device)
         forward = ModelForward(loaded.token_model)
         with phases.phase(spans.LOAD_COMPILED) as (event, span):
             if fetched is None:
@@ -218,7 +222,7 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
                 with phases.step(spans.WARM_UP):
                     warm_up_compiled(forward, config, fetched.compile_sizes)
                 with phases.step(spans.WARM_UP_ATTENTION):
-                    warm_up_paged_attention(forward, scratch_kv, config.block_size, config.device)
+                    warm_up_paged_attention(forward, scratch_kv, config.block_size, config.device, scratch_scales)
                 event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
                 span.set_attribute(spans.CACHE_KEY, fetched.key)
 
@@ -227,8 +231,9 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
         with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
             if cudagraph:
                 full_graphs, piecewise_graphs, kv, cudagraph_bytes = _capture(
-                    phases, span, forward, config, target, buffers, scratch_kv, loaded, activation_peak, kv_spec)
-                del scratch_kv
+                    phases, span, forward, config, target, buffers, (scratch_kv, scratch_scales), loaded,
+                    activation_peak, kv_spec)
+                del scratch_kv, scratch_scales
                 event.detail = _blocks_detail(kv, config) + "; " + _graphs_detail(full_graphs, piecewise_graphs)
             else:
                 event.detail = f"skipped: runtime mode {config.runtime_mode}"
@@ -249,13 +254,14 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
         total_memory_bytes=total_memory, capture_sizes=config.capture_sizes,
         runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
         vocab_size=target.resolved.config.vocab_size, kv_window=kv.kv_window, dtype=target.resolved.dtype_name,
+        kv_cache_dtype=str(kv_spec.dtype).removeprefix("torch."), quantization=loaded.quantization,
         prefix_caching=config.enable_prefix_caching, piecewise_capture_sizes=config.piecewise_capture_sizes,
         piecewise_graph_bytes=piecewise_graphs.captured_bytes if piecewise_graphs else 0)
     return StartedModel(engine, sizing, tokenizer)
 
 
 def _model_identity(target: LoadTarget, config: EngineConfig, kv_window: int,
-                    fetched: FetchedBundle | None) -> dict[str, str | int]:
+                    fetched: FetchedBundle | None) -> dict[str, str | int | float]:
     """What besides the tokens changes the keys and values a block holds: the prefix cache's root hash covers it.
 
     The bundle key covers the model config and dtype when there is a bundle; the hashes of the model spec and of the
@@ -269,20 +275,23 @@ def _model_identity(target: LoadTarget, config: EngineConfig, kv_window: int,
         "model_config": hashlib.sha256(resolved.config.to_json_string(use_diff=False).encode()).hexdigest(),
         "dtype": resolved.dtype_name, "weights": target.weights, "weights_seed": target.weights_seed,
         "device": config.device, "runtime_mode": config.runtime_mode.value, "block_size": config.block_size,
-        "kv_window": kv_window,
+        "kv_window": kv_window, "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+        "kv_cache_scale": config.kv_cache_scale,
     }
 
 
 def _allocate_kv(budget: kv_sizing.MemoryBudget, spec: kv_cache.KVCacheSpec, config: EngineConfig,
                  kv_window: int) -> KVCache:
     return kv_sizing.allocate(spec, kv_sizing.num_blocks(budget, spec, config.max_model_len), config.device,
-                              kv_window)
+                              kv_window, config.kv_cache_scale)
 
 
 def _capture(phases: "_Phases", span: trace.Span, forward: ModelForward, config: EngineConfig, target: LoadTarget,
-             buffers: StepBuffers, scratch_kv: list, loaded: LoadedWeights, activation_peak: int,
+             buffers: StepBuffers, scratch: tuple[list, list | None], loaded: LoadedWeights, activation_peak: int,
              kv_spec: kv_cache.KVCacheSpec) -> tuple[CUDAGraphs, PiecewiseGraphs | None, KVCache, int]:
-    """Piece graphs, the full graphs' measure, the KV cache sized around both, then the full graphs."""
+    """Piece graphs, the full graphs' measure, the KV cache sized around both, then the full graphs. ``scratch``:
+    a few blocks of cache and their FP8 scales (or None) for the eager attention of the captures before it exists."""
+    scratch_kv, scratch_scales = scratch
     pool = torch.cuda.graph_pool_handle()
     piecewise = None
     if config.piecewise_capture_sizes:
@@ -291,10 +300,11 @@ def _capture(phases: "_Phases", span: trace.Span, forward: ModelForward, config:
             phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured piecewise graphs of {size} tokens ({done}/{total})")
 
         with phases.step(spans.PIECEWISE_GRAPHS):
-            piecewise = capture_piecewise(forward, config, buffers, scratch_kv, pool, piece_captured)
+            piecewise = capture_piecewise(forward, config, buffers, scratch_kv, pool, piece_captured,
+                                          scratch_scales)
     with phases.step(spans.KV_CACHE):
         measured = (piecewise.captured_bytes if piecewise else 0) + full_graph_bytes(
-            forward, config, target.resolved, buffers, scratch_kv, pool)
+            forward, config, target.resolved, buffers, scratch_kv, pool, scratch_scales)
         budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak, measured)
         kv = _allocate_kv(budget, kv_spec, config, loaded.kv_window)
 
@@ -304,7 +314,7 @@ def _capture(phases: "_Phases", span: trace.Span, forward: ModelForward, config:
         span.add_event("captured", {spans.BATCH_SIZE: size})
 
     with phases.step(spans.FULL_GRAPHS):
-        full = capture_full(forward, config, target.resolved, buffers, kv.caches, pool, captured)
+        full = capture_full(forward, config, target.resolved, buffers, kv.caches, pool, captured, kv.scales)
     total_bytes = full.captured_bytes + (piecewise.captured_bytes if piecewise else 0)
     span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes),
                          spans.CAPTURE_SECONDS: full.seconds + (piecewise.seconds if piecewise else 0.0),

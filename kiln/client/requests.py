@@ -18,12 +18,13 @@ def model_spec(model: str, dtype: str = "") -> common_pb2.ModelSpec:
 
 
 def compile_config(device: str = "", compile_sizes: Iterable[int] = (), max_compiled_tokens: int = 0,
-                   splitting_ops: Iterable[str] | None = None, inductor_config: str = "") -> common_pb2.CompileConfig:
+                   splitting_ops: Iterable[str] | None = None, inductor_config: str = "",
+                   quantization: str = "") -> common_pb2.CompileConfig:
     """A CompileConfig; every value left out is the server's default (``splitting_ops`` None: Kiln's attention op,
     empty: one full graph)."""
     config = common_pb2.CompileConfig(device=device, compile_sizes=list(compile_sizes),
                                       max_compiled_tokens=max_compiled_tokens,
-                                      inductor_config_patches_json=inductor_config)
+                                      inductor_config_patches_json=inductor_config, quantization=quantization)
     if splitting_ops is not None:
         config.splitting_ops.ops.extend(splitting_ops)
         config.splitting_ops.SetInParent()

@@ -7,6 +7,7 @@ from kiln.attention.op import ATTENTION_OP_NAME
 from kiln.compilation.inductor_options import parse_patches
 from kiln.errors import InvalidArgument, quote
 from kiln.model.spec import default_device
+from kiln.quantization.model_quantization import QUANTIZATIONS, check_supported, quantization_of
 from protos import common_pb2
 
 DEFAULT_MAX_COMPILED_TOKENS = 512
@@ -24,6 +25,7 @@ class CompileConfig:
     max_compiled_tokens: int = DEFAULT_MAX_COMPILED_TOKENS  # the symbolic token range is [1, this]
     inductor_config_patches: dict = field(default_factory=dict)
     device: str = "cpu"
+    quantization: str = ""  # "fp8", or empty (kiln.quantization.model_quantization)
 
     def factors(self) -> dict:
         d = asdict(self)
@@ -34,7 +36,8 @@ class CompileConfig:
     def summary(self) -> str:
         split = ",".join(self.splitting_ops) or "full-graph"
         sizes = ",".join(map(str, self.compile_sizes)) or "-"
-        return f"{self.device} split={split} sizes={sizes} max_compiled_tokens={self.max_compiled_tokens}"
+        quantized = f" {self.quantization}" if self.quantization else ""
+        return f"{self.device}{quantized} split={split} sizes={sizes} max_compiled_tokens={self.max_compiled_tokens}"
 
     @classmethod
     def from_proto(cls, msg: common_pb2.CompileConfig) -> "CompileConfig":
@@ -62,12 +65,18 @@ class CompileConfig:
         # Only options on Kiln's allowlist: some others name binaries, paths or callables
         # (kiln/compilation/inductor_options.py).
         patches = parse_patches(msg.inductor_config_patches_json) if msg.inductor_config_patches_json else {}
+        if msg.quantization not in QUANTIZATIONS:
+            raise InvalidArgument(f"config.quantization: {quote(msg.quantization)} is not one of "
+                                  f"{', '.join(repr(q) for q in QUANTIZATIONS)} (empty: none)")
+        if msg.quantization:
+            check_supported(quantization_of(None, msg.quantization), device, "config.quantization")
         return cls(
             splitting_ops=tuple(dict.fromkeys(splitting_ops)),
             compile_sizes=tuple(sorted(set(msg.compile_sizes))),
             max_compiled_tokens=max_tokens,
             inductor_config_patches=dict(sorted(patches.items())),
             device=device,
+            quantization=msg.quantization,
         )
 
     def to_proto(self) -> common_pb2.CompileConfig:
@@ -77,6 +86,7 @@ class CompileConfig:
             max_compiled_tokens=self.max_compiled_tokens,
             inductor_config_patches_json=json.dumps(self.inductor_config_patches, sort_keys=True),
             device=self.device,
+            quantization=self.quantization,
         )
 
 
