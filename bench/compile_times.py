@@ -109,13 +109,10 @@ def model_spec(preset: str, dtype: str, layers: int | None) -> str:
 
 
 def compile_config(args: argparse.Namespace, full_graph: bool) -> str:
-    from protos import common_pb2
+    from kiln.client.requests import compile_config as build
 
-    config = common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=int(args.max_num_batched_tokens),
-                                      compile_sizes=[int(s) for s in args.compile_sizes.split(",") if s],
-                                      inductor_config_patches_json=args.inductor_config)
-    if full_graph:
-        config.splitting_ops.SetInParent()
+    config = build(args.device, [int(s) for s in args.compile_sizes.split(",") if s], int(args.max_compiled_tokens),
+                   () if full_graph else None, args.inductor_config, args.quantization)
     return config.SerializeToString().hex()
 
 
@@ -124,13 +121,15 @@ def main() -> None:
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-num-batched-tokens", default="2048")
+    p.add_argument("--max-compiled-tokens", "--max-num-batched-tokens", dest="max_compiled_tokens", default="2048",
+                   help="the compiled token range")
     p.add_argument("--variants", default="piecewise,full graph",
                    help="comma-separated: piecewise (a layer split at attention), full graph (a layer whole)")
     p.add_argument("--num-layers", default="",
                    help="comma-separated decoder layer counts to compile the preset with; '' is the preset's own")
     p.add_argument("--compile-sizes", default="", help="comma-separated static token counts, e.g. 1,8,32")
     p.add_argument("--inductor-config", default="", help='Inductor patches as JSON, e.g. {"max_autotune": true}')
+    p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
     p.add_argument("--keep-stores", type=Path, help="write the stores here (store-piecewise-L32/KEY) and keep them")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))

@@ -5,6 +5,8 @@ Every step decodes one new token per sequence over a context of --context tokens
 includes the logits. The floor is (weight bytes + KV bytes read) / the copy bandwidth measured in this run.
 
 usage: python bench/forward_latency.py --bundle STORE/KEY [--preset llama-3-8b] [--batch-sizes 1,2,4,8,16,32,64]
+       [--quantization fp8]   (a bundle compiled with --quantization fp8: bench/compile_times.py, kiln compile)
+       [--prefill-tokens 2048]
 """
 
 import argparse
@@ -88,7 +90,7 @@ def load_for_decode(args: argparse.Namespace, sizes: list[int]):
     compile): (resolved, model, cache spec, caches, compiled, blocks per sequence)."""
     torch.set_grad_enabled(False)
     resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
-    model = build_model(resolved, "cuda")
+    model = build_model(resolved, "cuda", quantization=args.quantization)
     spec = kv_cache.KVCacheSpec.from_config(resolved.config, BLOCK_SIZE, resolved.dtype)
     max_blocks = -(-(args.context + 1) // BLOCK_SIZE)
     caches = kv_cache.allocate(spec, max(sizes) * max_blocks, "cuda")
@@ -100,6 +102,29 @@ def load_for_decode(args: argparse.Namespace, sizes: list[int]):
     return resolved, model, spec, caches, compiled, max_blocks
 
 
+def prefill_ms(model, compiled, tokens: int, vocab: int) -> float:
+    """One sequence's first ``tokens`` tokens in one compiled step over an empty paged cache of its own."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    blocks = -(-tokens // BLOCK_SIZE)
+    spec = kv_cache.KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, head_dim, BLOCK_SIZE,
+                                next(model.causal_lm.get_output_embeddings().parameters()).dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens, device="cuda"),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device="cuda"),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device="cuda")[None], max_query_len=tokens, num_seqs=1)
+    ctx = ForwardContext(kv_cache.allocate(spec, blocks, "cuda"), meta)
+    ids = torch.randint(0, vocab, (tokens,), device="cuda")
+    positions = torch.arange(tokens, device="cuda")
+
+    def step():
+        with forward_context(ctx):
+            model.logits(compiled(model, ids, positions)[-1:])
+
+    return time_ms(step, iters=10)
+
+
 def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
     """The command line of a bench that decodes a bundle's model at several batch sizes: its args and the sizes."""
     p = argparse.ArgumentParser()
@@ -109,6 +134,10 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--batch-sizes", default=batch_sizes)
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="also time one compiled prefill step of this many new tokens (at most the compiled range)")
+    p.add_argument("--quantization", default="", choices=["", "fp8"],
+                   help="fp8: the decoder's linears in FP8 (the bundle must be compiled with the same)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     return args, [int(s) for s in args.batch_sizes.split(",")]
@@ -162,7 +191,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {w_bytes / 1e9:.2f} GB, context {args.context}, "
-          f"{args.preset} bf16, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
+          f"{args.preset} bf16{' fp8 linears' if args.quantization else ''}, "
+          f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
     print("| batch | floor ms | Kiln (compiled+graph) ms | Kiln/floor | eager ms | eager+graph ms | compiled ms "
           "| HF transformers ms | HF/Kiln |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -170,8 +200,11 @@ def main() -> None:
         print(f"| {r['batch_size']} | {r['floor_ms']:.2f} | {r['kiln_ms']:.2f} | {r['kiln_ms'] / r['floor_ms']:.2f}x | "
               f"{r['eager_ms']:.2f} | {r['eager_graph_ms']:.2f} | {r['compiled_ms']:.2f} | {r['hf_ms']:.2f} | "
               f"{r['hf_ms'] / r['kiln_ms']:.1f}x |")
+    prefill = prefill_ms(model, compiled, args.prefill_tokens, vocab) if args.prefill_tokens else None
+    if prefill is not None:
+        print(f"\none prefill step of {args.prefill_tokens} new tokens (compiled, last logits): {prefill:.2f} ms")
     if args.json_out:
-        args.json_out.write_text(json.dumps({"bandwidth": bandwidth, "rows": rows}, indent=1))
+        args.json_out.write_text(json.dumps({"bandwidth": bandwidth, "rows": rows, "prefill_ms": prefill}, indent=1))
         plot(rows, args.json_out.with_suffix(".png"), args.preset)
 
 

@@ -35,7 +35,8 @@ def per_step_us(observer, steps: int, device_s: float, work: int, request_ids: t
         if observer is not None:
             now = time.time_ns()
             observer(StepRecord(model="bench", batch_size=len(request_ids), num_tokens=len(request_ids),
-                                padded_size=len(request_ids), runtime_mode="cudagraph", phase="decode",
+                                padded_size=len(request_ids), runtime_mode="cudagraph", path="full_graph",
+                                phase="decode",
                                 start_ns=now - int(device_s * 1e9), end_ns=now, request_ids=request_ids))
     return (time.perf_counter() - started) / steps * 1e6
 

@@ -30,10 +30,14 @@ from exec_service.engine import kv_cache
 from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine
+from exec_service.engine.kv_cache import KVCacheSpec
+from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import SamplingParams, Sequence
+from exec_service.engine.step_inputs import StepBuffers
 from exec_service.startup import kv_sizing
+from exec_service.startup.weights import load_weights
 from kiln.attention.op import ATTENTION_IMPLEMENTATION
 from kiln.attention.windows import kv_window, layer_windows
 from kiln.model.causal_lm import TokenModel, build_model, weights_bytes
@@ -99,11 +103,12 @@ def engine_run(resolved: ResolvedModel, args, free: bool) -> tuple[list[int], in
     config = EngineConfig(device="cpu", runtime_mode=RuntimeMode.EAGER, max_model_len=max_len, max_num_seqs=4,
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           gpu_memory_utilization=0.9, kv_cache_bytes=0, capture_sizes=(), max_num_waiting=4)
-    runner = ModelRunner(resolved, config)
-    runner.load_weights("dummy", 0)
-    if not free:
-        runner.kv_window = 0  # the engine as it was before: every block kept for the sequence's whole life
-    runner.allocate_kv_cache(-(-max_len // args.block_size) + 1)
+    loaded = load_weights(resolved, config, "dummy", 0)
+    window = loaded.kv_window if free else 0  # not free: the engine as it was before, every block kept
+    spec = KVCacheSpec.from_config(resolved.config, args.block_size, resolved.dtype)
+    kv = kv_sizing.allocate(spec, -(-max_len // args.block_size) + 1, "cpu", window)
+    runner = ModelRunner(config, ModelForward(loaded.token_model), kv,
+                         StepBuffers.for_config(config, resolved.config.vocab_size))
     engine = Engine("bench", runner, config, frozenset())
     engine.start()
 

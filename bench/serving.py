@@ -43,10 +43,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import numpy as np
 
-from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.client.channels import connect_aio
+from kiln.client.compile import compile_model_async
+from kiln.client.load import load_async, phase_line
+from kiln.client.requests import compile_config, model_spec
 from kiln_cli.service_process import LocalServices, free_port, kiln_command
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
@@ -67,12 +69,13 @@ class RequestTiming:
 
 async def load(stub, request) -> dict:
     phases, started = {}, time.perf_counter()
-    async for event in stub.LoadModel(request):
-        if event.HasField("phase") and not event.phase.progress:
-            phases[event.phase.phase] = event.phase.seconds
-            print(f"  {event.phase.phase:<20} {event.phase.seconds:7.2f}s  {event.phase.detail}", flush=True)
-        elif event.HasField("ready"):
-            sizing = event.ready
+
+    def phase(p: exec_pb2.StartupPhase) -> None:
+        if not p.progress:
+            phases[p.phase] = p.seconds
+            print(phase_line(p), flush=True)
+
+    sizing = await load_async(stub, request, phase)
     phases["total"] = time.perf_counter() - started
     return {"phases": phases, "blocks": sizing.num_kv_blocks, "capture_sizes": list(sizing.capture_sizes)}
 
@@ -196,7 +199,8 @@ async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, ra
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
     result = {"request_rate": rate, "backend": args.backend, **latency_metrics(timings, duration)}
     result["gpu_busy"] = sum(s.total_ms for s in stats) / 1e3 / duration
-    result["forward_stats"] = [(s.batch_size, s.count, round(s.median_ms, 2)) for s in stats]
+    result["forward_stats"] = [(s.batch_size, s.phase, s.path, s.count, round(s.median_ms, 2), round(s.p99_ms, 2))
+                               for s in stats]
     busiest = max(stats, key=lambda s: s.count, default=None)
     result["typical_step"] = (busiest.batch_size, busiest.median_ms) if busiest else None
     if cpu_before is not None:
@@ -207,7 +211,18 @@ async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, ra
         gateway_s = sum(thread_cpu_s(gateway_pid).values()) - gateway_before
         result["gateway_cpu_ms_per_token"] = gateway_s * 1e3 / result["output_tokens"]
     print_result(result)
+    print_step_series(stats)
     return result
+
+
+def print_step_series(stats) -> None:
+    """Each (batch size, phase, path) series of the run with 20 steps or more: its p99 against its p50."""
+    print("| batch | phase | path | steps | p50 ms | p99 ms | p99/p50 |")
+    print("|---|---|---|---|---|---|---|")
+    for s in sorted(stats, key=lambda s: -s.count):
+        if s.count >= 20:
+            print(f"| {s.batch_size} | {s.phase} | {s.path} | {s.count} | {s.median_ms:.2f} | {s.p99_ms:.2f} | "
+                  f"{s.p99_ms / s.median_ms:.2f} |")
 
 
 def print_result(r: dict) -> None:
@@ -284,7 +299,7 @@ def gateway(args, exec_address: str, logdir: Path) -> Iterator[tuple[str | None,
 
 async def sweep(address: str, model: str, prompts: list[list[int]], args, exec_pid: int | None,
                 api_url: str | None = None, gateway_pid: int | None = None) -> list[dict]:
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    async with connect_aio(address) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
         backend = OpenAIBackend(api_url, model) if api_url else GrpcBackend(stub, model)
         await send_all(backend, prompts[:8], 8, [0.0] * min(8, len(prompts)))  # warm-up
@@ -296,17 +311,19 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
     services = LocalServices(tmp, tmp / "store")
     try:
         services.start(300)
-        spec = common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype)
-        config = common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
-        async with grpc.aio.insecure_channel(services.compile.address, options=CHANNEL_OPTIONS) as channel:
+        spec = model_spec(args.preset, args.dtype)
+        config = compile_config(args.device, max_compiled_tokens=args.max_num_batched_tokens,
+                                quantization=args.quantization)
+        async with connect_aio(services.compile.address) as channel:
             started = time.perf_counter()
-            async for _ in compile_pb2_grpc.CompileServiceStub(channel).Compile(
-                    compile_pb2.CompileRequest(model=spec, config=config)):
-                pass
+            await compile_model_async(compile_pb2_grpc.CompileServiceStub(channel),
+                                      compile_pb2.CompileRequest(model=spec, config=config))
             cold_compile_s = time.perf_counter() - started
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
-                                            max_model_len=args.max_prompt + args.output_len + 16)
-        async with grpc.aio.insecure_channel(services.exec.address, options=CHANNEL_OPTIONS) as channel:
+                                            max_model_len=args.max_prompt + args.output_len + 16,
+                                            piecewise_capture_sizes=args.piecewise_capture_sizes,
+                                            kv_cache_dtype=args.kv_cache_dtype)
+        async with connect_aio(services.exec.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             print("LoadModel (bundle downloaded from the compile service):")
             first = await load(stub, request)
@@ -317,6 +334,11 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             rates = await sweep(services.exec.address, "bench", prompts, args, services.exec.process.pid, api_url,
                                 gateway_pid)
         services.stop()
+    except BaseException:
+        for log_file in ("compile.log", "exec.log"):  # the services' own account of a failure, before tmp goes
+            if (tmp / log_file).is_file():
+                print(f"--- the end of {log_file}:\n" + "\n".join((tmp / log_file).read_text().splitlines()[-30:]))
+        raise
     finally:
         services.cleanup()
     return {"cold_compile_s": cold_compile_s, "first_load": first, "second_load": second, "rates": rates}
@@ -417,6 +439,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--piecewise-capture-sizes", type=lambda t: [int(v) for v in t.split(",") if v.strip()],
+                   default=[], help="LoadModel's piecewise_capture_sizes: comma-separated token counts, 0 for none "
+                                    "(default: the service's)")
     p.add_argument("--exec-server", default="", help="a running execute service (default: start both locally)")
     p.add_argument("--model", default="", help="with --exec-server: the name of a model loaded there")
     p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
@@ -425,6 +450,8 @@ def main() -> None:
     p.add_argument("--api-url", default="", help="with --backend openai: a running gateway, e.g. http://host:8000")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
+    p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3"], help="fp8_e4m3: an FP8 KV cache")
     args = p.parse_args()
     if bool(args.exec_server) != bool(args.model):
         p.error("--exec-server and --model go together")

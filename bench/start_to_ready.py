@@ -37,6 +37,10 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as `python bench/start_to_ready.py` from anywhere
 
+from kiln.client.channels import connect  # noqa: E402
+from kiln.client.compile import compile_model  # noqa: E402
+from kiln.client.load import load  # noqa: E402
+from kiln.client.requests import compile_config  # noqa: E402
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS  # noqa: E402
 from kiln.store.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_key_pair, local_keys_dir  # noqa: E402
 from kiln_cli.service_process import ServiceProcess, child_environment, free_port, kiln_command  # noqa: E402
@@ -111,10 +115,9 @@ def compile_bundle(store: Path, model: common_pb2.ModelSpec, config: common_pb2.
     try:
         server.wait_healthy(timeout=600)
         started = time.perf_counter()
-        with grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
-            events = list(compile_pb2_grpc.CompileServiceStub(channel).Compile(
-                compile_pb2.CompileRequest(model=model, config=config)))
-        result = events[-1].result
+        with connect(server.address) as channel:
+            result = compile_model(compile_pb2_grpc.CompileServiceStub(channel),
+                                   compile_pb2.CompileRequest(model=model, config=config))
         how = "in the store already" if result.cache_hit else f"compiled in {time.perf_counter() - started:.1f} s"
         log.info("bundle %s: %s", result.key.digest, how)
         return result.key.digest
@@ -146,16 +149,16 @@ def start_to_ready(label: str, store: Path, trusted: Path, request: exec_pb2.Loa
             run.listening_s = time.perf_counter() - started
             log.info("%s: listening after %.2f s", label, run.listening_s)
             sent = time.perf_counter()
-            for event in exec_pb2_grpc.ExecServiceStub(channel).LoadModel(request, timeout=timeout):
-                if event.HasField("ready"):
-                    break
-                p = event.phase
+
+            def phase(p: exec_pb2.StartupPhase) -> None:
                 if p.progress and p.step:
                     run.steps.setdefault(p.phase, {})[p.step] = p.seconds
                     log.info("%s:   %-20s %-18s %7.2f s", label, p.phase, p.step, p.seconds)
                 elif not p.progress and p.phase != "ready":
                     run.phases[p.phase] = p.seconds
                     log.info("%s: %-20s %7.2f s  %s", label, p.phase, p.seconds, p.detail)
+
+            load(exec_pb2_grpc.ExecServiceStub(channel), request, phase, timeout=timeout)
             now = time.perf_counter()
             run.load_model_s, run.ready_s = now - sent, now - started
             log.info("%s: ready after %.2f s", label, run.ready_s)
@@ -218,7 +221,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-compiled-tokens", "--max-num-batched-tokens", dest="max_compiled_tokens", type=int,
+                   default=2048, help="the compiled token range, and the step budget")
     p.add_argument("--compile-sizes", default="", help="comma-separated, as the bundle was compiled")
     p.add_argument("--store", type=Path, help="a store directory (default: a temporary one, compiled into first)")
     p.add_argument("--key", default="", help="load this bundle of --store (with --trusted-keys) instead of compiling")
@@ -227,13 +231,14 @@ def main(argv: list[str] | None = None) -> list[Run]:
     p.add_argument("--no-evict", action="store_true", help="leave the page cache as it is before a cold run")
     p.add_argument("--runtime-mode", default="", help="eager, compiled or cudagraph (default: the device's best)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
     model = common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype)
-    config = common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-                                      compile_sizes=[int(s) for s in args.compile_sizes.split(",") if s])
+    config = compile_config(args.device, [int(s) for s in args.compile_sizes.split(",") if s],
+                            args.max_compiled_tokens, quantization=args.quantization)
     with tempfile.TemporaryDirectory(prefix="kiln-start-to-ready-") as name:
         tmp = Path(name)
         store = (args.store or tmp / "store").resolve()

@@ -16,9 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
-from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.client.channels import connect
+from kiln.client.compile import compile_model
+from kiln.client.load import load
+from kiln.client.requests import compile_config, model_spec
 from kiln.store.redis_store import RedisStore
 from kiln.store.signing import PRIVATE_KEY_FILE, PUBLIC_KEY_FILE, generate_key_pair
 from kiln_cli.service_process import ServiceProcess, child_environment, free_port, kiln_command
@@ -42,12 +43,14 @@ def load_once(tmp: Path, name: str, request: exec_pb2.LoadModelRequest, *exec_ar
                       str(tmp / "keys" / PUBLIC_KEY_FILE), *exec_args)
     try:
         phases, started = {}, time.perf_counter()
-        with grpc.insecure_channel(replica.address, options=CHANNEL_OPTIONS) as channel:
-            for event in exec_pb2_grpc.ExecServiceStub(channel).LoadModel(request):
-                if event.HasField("phase") and not event.phase.progress:
-                    phases[event.phase.phase] = event.phase.seconds
-                    print(f"  {name:<16} {event.phase.phase:<20} {event.phase.seconds:7.2f}s  {event.phase.detail}",
-                          flush=True)
+
+        def phase(p: exec_pb2.StartupPhase) -> None:
+            if not p.progress:
+                phases[p.phase] = p.seconds
+                print(f"  {name:<16} {p.phase:<20} {p.seconds:7.2f}s  {p.detail}", flush=True)
+
+        with connect(replica.address) as channel:
+            load(exec_pb2_grpc.ExecServiceStub(channel), request, phase)
         phases["total"] = time.perf_counter() - started
         return phases
     finally:
@@ -75,13 +78,12 @@ def main() -> None:
         compile_service = service("compile", tmp, "compile-server", "--store", str(tmp / "store"), "--signing-key",
                                   str(tmp / "keys" / PRIVATE_KEY_FILE))
         try:
-            model = common_pb2.ModelSpec(preset=args.preset)
-            config = common_pb2.CompileConfig(device=args.device)
-            with grpc.insecure_channel(compile_service.address, options=CHANNEL_OPTIONS) as channel:
+            model = model_spec(args.preset)
+            config = compile_config(args.device)
+            with connect(compile_service.address) as channel:
                 started = time.perf_counter()
-                events = list(compile_pb2_grpc.CompileServiceStub(channel).Compile(
-                    compile_pb2.CompileRequest(model=model, config=config)))
-                key = events[-1].result.key.digest
+                key = compile_model(compile_pb2_grpc.CompileServiceStub(channel),
+                                    compile_pb2.CompileRequest(model=model, config=config)).key.digest
                 print(f"compiled {args.preset} in {time.perf_counter() - started:.1f}s, key {key}", flush=True)
 
             redis_store = RedisStore(url, tmp / "redis-writer")

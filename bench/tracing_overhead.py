@@ -30,12 +30,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
-from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.client.channels import connect_aio
+from kiln.client.load import load_async, phase_line
+from kiln.client.requests import compile_config, model_spec
 from kiln_cli.bench_commands import decode_batch
 from kiln_cli.service_process import LocalServices, child_environment
-from protos import common_pb2, exec_pb2, exec_pb2_grpc
+from protos import exec_pb2, exec_pb2_grpc
 from tracing import spans
 from tracing.otlp_receiver import OtlpReceiver
 
@@ -80,15 +80,14 @@ async def load(stub, args) -> int:
     """LoadModel (compiling on the first run, a store hit after); returns the vocabulary size."""
     mode = exec_pb2.RUNTIME_MODE_CUDAGRAPH if args.device == "cuda" else exec_pb2.RUNTIME_MODE_COMPILED
     request = exec_pb2.LoadModelRequest(
-        name=MODEL, model=common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype),
-        config=common_pb2.CompileConfig(device=args.device), runtime_mode=mode,
-        max_num_seqs=max(args.batch_sizes), max_model_len=args.input_len + args.output_len + 16)
-    async for event in stub.LoadModel(request):
-        if event.HasField("phase") and not event.phase.progress:
-            print(f"  {event.phase.phase:<20} {event.phase.seconds:7.2f}s  {event.phase.detail}", flush=True)
-        elif event.HasField("ready"):
-            return event.ready.vocab_size
-    raise RuntimeError("LoadModel ended before the model was ready")
+        name=MODEL, model=model_spec(args.preset, args.dtype), config=compile_config(args.device),
+        runtime_mode=mode, max_num_seqs=max(args.batch_sizes), max_model_len=args.input_len + args.output_len + 16)
+
+    def phase(p: exec_pb2.StartupPhase) -> None:
+        if not p.progress:
+            print(phase_line(p), flush=True)
+
+    return (await load_async(stub, request, phase)).vocab_size
 
 
 def services_env(endpoint: str | None, ratio: float = 1.0) -> dict:
@@ -104,7 +103,7 @@ async def run_services(workdir: Path, store: Path, env: dict, args, phases) -> l
     services = LocalServices(workdir, store, env)
     try:
         services.start(300)
-        async with grpc.aio.insecure_channel(services.exec.address, options=CHANNEL_OPTIONS) as channel:
+        async with connect_aio(services.exec.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             vocab_size = await load(stub, args)
             results = []

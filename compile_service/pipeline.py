@@ -122,7 +122,7 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
     then trace, split, Inductor and save."""
     timings = {"key": key_s, "trace": 0.0, "split": 0.0, "inductor": 0.0}
     t = time.perf_counter()
-    module = build_model(model, config.device)
+    module = build_model(model, config.device, quantization=config.quantization)
     timings["build"] = time.perf_counter() - t
     compiled, num_pieces, num_splits = [], 0, 0
     torch._dynamo.reset()
@@ -150,6 +150,9 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
             timings={k: round(v, 4) for k, v in timings.items()}, created_unix=time.time(),
         )
         span.set_attribute(spans.BYTES, manifest.total_bytes)
+    del module, examples, compiled
+    if config.device == "cuda":  # the dummy weights' memory back to the device: an execute service on the same GPU
+        torch.cuda.empty_cache()  # loads next (a 70B in FP8 fits one H200 once, not twice)
     return manifest
 
 
@@ -157,7 +160,7 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
 def _layer_examples(module: TokenModel, model: ResolvedModel, config: CompileConfig) -> list[tuple]:
     """The first layer of each kind with the inputs it receives in an eager forward, the token dimension of each
     marked dynamic over [1, max tokens]."""
-    tokens = min(TRACE_TOKENS, config.max_num_batched_tokens)
+    tokens = min(TRACE_TOKENS, config.max_compiled_tokens)
     ids = torch.randint(0, model.config.vocab_size, (tokens,), device=config.device)
     seen: dict[int, tuple] = {}
 
@@ -171,7 +174,7 @@ def _layer_examples(module: TokenModel, model: ResolvedModel, config: CompileCon
     for kind in range(module.layers.num_kinds):
         step, token_inputs = seen[kind]
         for tensor in token_inputs:  # [1, T, ...]
-            torch._dynamo.mark_dynamic(tensor, 1, min=1, max=config.max_num_batched_tokens)
+            torch._dynamo.mark_dynamic(tensor, 1, min=1, max=config.max_compiled_tokens)
         examples.append((step, (*token_inputs, step.index)))
     return examples
 
@@ -181,7 +184,7 @@ def _compile_layer(region: str, step: LayerStep, inputs: tuple, config: CompileC
     """Dynamo once over one layer, then the piecewise backend: the layer's aot-compiled function and the backend's
     stats. The code serves every layer of its kind, so it must not depend on the one it was traced on: a guard on
     the layer index (which the attention op takes as an input instead) refuses the compile."""
-    backend = PiecewiseBackend(region, config.splitting_ops, config.compile_sizes, config.max_num_batched_tokens,
+    backend = PiecewiseBackend(region, config.splitting_ops, config.compile_sizes, config.max_compiled_tokens,
                                config.inductor_config_patches, progress, first_piece)
     index_guards = []
 

@@ -5,6 +5,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from compile_service.metrics import CompileMetrics
@@ -29,6 +30,7 @@ from kiln.store.bundle import CorruptBundle, UntrustedBundle
 from kiln.store.location import open_store
 from kiln.store.signing import Signer, TrustedKeys
 from protos import common_pb2, compile_pb2, compile_pb2_grpc
+from tracing.grpc_instrumentation import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -140,26 +142,39 @@ def _result(outcome: CompileOutcome) -> compile_pb2.CompileResult:
         num_splits=outcome.num_splits, key_factors_json=json.dumps(outcome.factors, sort_keys=True, default=str))
 
 
-async def start_compile_server(store: str | Path, address: str, interceptors=(), *, signer: Signer,
-                               trusted: TrustedKeys | None = None, security: ServerSecurity = UNGUARDED,
-                               model_roots=(), cache_dir: str | Path = DEFAULT_CACHE_DIR,
-                               lease_s: float | None = None, metrics: CompileMetrics | None = None,
-                               hub: HubCache | None = None) -> tuple[Server, int]:
-    """Build, bind and start; returns the server and its port (address may say port 0).
+@dataclass(frozen=True)
+class CompileServerSettings:
+    """Where the compile service listens, where its bundles go, and who signs and may read them.
 
     ``store`` is a directory or ``redis://...``; a Redis store keeps verified local copies of its bundles in
     ``cache_dir`` and holds a lease of ``lease_s`` seconds (renewed while it compiles) on each key it compiles.
     Every bundle committed is signed with ``signer``; a bundle in the store counts as present only when it verifies
     against the signer's own key or one of ``trusted`` (a rotated-out key whose bundles are still good).
-    ``metrics`` (--metrics-port) count each compile; Hub ids resolve in ``hub`` (refused without one).
     """
-    trusted = (trusted or TrustedKeys([])).with_key(signer.public_key)
-    bundles = open_store(store, cache_dir, lease_s=lease_s, signer=signer, trusted=trusted)
-    roots = ModelRoots.for_server(model_roots, loopback=is_loopback(address), hub=hub)
-    server = Server([SERVICE_NAME], interceptors, security)
+
+    address: str  # host:port; port 0 picks a free one
+    store: str | Path
+    signer: Signer
+    trusted: TrustedKeys | None = None
+    security: ServerSecurity = UNGUARDED  # TLS and tokens of this server
+    model_roots: tuple[str | Path, ...] = ()  # the directories a request may name
+    cache_dir: str | Path = DEFAULT_CACHE_DIR
+    lease_s: float | None = None  # None: the Redis store's default
+    hub: HubCache | None = None  # where Hub ids resolve (--hub-cache); None: they are refused
+
+
+async def start_compile_server(settings: CompileServerSettings, metrics: CompileMetrics | None = None
+                               ) -> tuple[Server, int]:
+    """Build, bind and start; returns the server and its port. Spans follow what init_tracing installed in this
+    process (nothing when it did not run); ``metrics`` (--metrics-port) count each compile."""
+    signer = settings.signer
+    trusted = (settings.trusted or TrustedKeys([])).with_key(signer.public_key)
+    bundles = open_store(settings.store, settings.cache_dir, lease_s=settings.lease_s, signer=signer, trusted=trusted)
+    roots = ModelRoots.for_server(settings.model_roots, loopback=is_loopback(settings.address), hub=settings.hub)
+    server = Server([SERVICE_NAME], server_interceptors(), settings.security)
     compile_pb2_grpc.add_CompileServiceServicer_to_server(CompileServicer(bundles, roots, trusted, metrics),
                                                       server.server)
-    port = await server.start(address)
-    log.info("compile service listening on %s (port %d), store %s, signing as %s, model roots: %s", address, port,
-             bundles.location, signer.key_id, roots.describe())
+    port = await server.start(settings.address)
+    log.info("compile service listening on %s (port %d), store %s, signing as %s, model roots: %s", settings.address,
+             port, bundles.location, signer.key_id, roots.describe())
     return server, port

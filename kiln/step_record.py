@@ -1,8 +1,21 @@
 """What one engine step did: the record the engine hands its step observers (forward stats, forward spans, the
-batch-size log) after the step's own sync. Plain values, so it pickles cheaply to the forward-span writer."""
+batch-size log) after the step's own sync. Plain values, so it pickles cheaply to the forward-span writer.
 
+``runtime_mode`` is what LoadModel asked for (kiln.runtime_mode.RuntimeMode); ``path`` is how this step ran: a
+cudagraph model's decode step replays a full graph, its prefill of 200 tokens piecewise graphs, one of 4,000 tokens
+the compiled code.
+"""
+
+import enum
 from collections.abc import Callable
 from typing import NamedTuple
+
+
+class StepPath(enum.StrEnum):
+    FULL_GRAPH = "full_graph"  # a decode-only step replayed from a full-model CUDA graph
+    PIECEWISE_GRAPH = "piecewise_graph"  # piece graphs replayed, attention eager between them
+    COMPILED = "compiled"  # the compiled layers launched from Python
+    EAGER = "eager"  # the uncompiled model
 
 
 class StepRecord(NamedTuple):
@@ -10,7 +23,8 @@ class StepRecord(NamedTuple):
     batch_size: int  # sequences in the step
     num_tokens: int  # tokens scheduled: prefill chunks plus decodes
     padded_size: int  # tokens the compiled code or CUDA graph ran, padding included
-    runtime_mode: str  # a kiln.runtime_mode.RuntimeMode value: eager / compiled / cudagraph
+    runtime_mode: str  # the mode LoadModel asked for: eager / compiled / cudagraph
+    path: str  # a StepPath value: how this step ran
     phase: str  # prefill / decode / mixed
     start_ns: int  # the forward's start and end, wall-clock ns (CUDA events on GPU, host clock on CPU)
     end_ns: int

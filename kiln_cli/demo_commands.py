@@ -4,6 +4,7 @@ a few prompts generated at once, the forward-time table, then a clean shutdown."
 import asyncio
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -12,11 +13,14 @@ from pathlib import Path
 import grpc
 
 from exec_service.telemetry.forward_stats import stats_line
+from kiln.client.generate import generate_async
+from kiln.client.load import load_async, phase_line, ready_line
+from kiln.client.requests import compile_config, model_spec
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS
 from kiln_cli.compile_commands import DEFAULT_STORE
 from kiln_cli.output import report_rpc_error
 from kiln_cli.service_process import LocalServices, ServiceFailed
-from protos import common_pb2, exec_pb2, exec_pb2_grpc
+from protos import exec_pb2, exec_pb2_grpc
 
 # A real model's config where a GPU can run it; the CI-sized one on a CPU.
 GPU_PRESET = "llama-3.2-1b"
@@ -52,7 +56,7 @@ def run_demo(args) -> int:
     services = LocalServices(workdir, store)
     failed = True
     try:
-        _say(f"kiln demo: {model} on {device}; store {store}; service logs in {workdir}")
+        _say(f"kiln demo: {model} on {device}; store {store}")
         services.start(args.startup_timeout, lambda service, seconds: _say(
             f"{service.name} service serving at {service.address} ({seconds:.1f}s)"))
         from tracing.setup import init_tracing  # imports torch: not at module level, where `kiln health` pays
@@ -74,11 +78,22 @@ def run_demo(args) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        services.cleanup()
+        stop_services(services)
         if failed:
             print(f"service logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def stop_services(services: LocalServices) -> None:
+    """After a failure or a Ctrl-C: stop what still runs, gracefully; a second Ctrl-C while they stop kills them at
+    once, with a line rather than a traceback."""
+    try:
+        services.cleanup()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kill takes a moment; a third Ctrl-C changes nothing
+        print("interrupted again: killing the services", file=sys.stderr)
+        services.kill()
 
 
 async def _exercise(address: str, model: str, device: str, num_prompts: int, max_tokens: int) -> None:
@@ -87,7 +102,7 @@ async def _exercise(address: str, model: str, device: str, num_prompts: int, max
     from tracing.spans import tracer
 
     with tracer.start_as_current_span(DEMO_SPAN):
-        async with instrumented_aio_channel(address, CHANNEL_OPTIONS) as channel:
+        async with instrumented_aio_channel(address, CHANNEL_OPTIONS) as channel:  # client spans in the demo's trace
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             sizing = await _load(stub, model, device)
             rng = random.Random(0)
@@ -99,24 +114,9 @@ async def _exercise(address: str, model: str, device: str, num_prompts: int, max
 async def _load(stub, model: str, device: str) -> exec_pb2.ModelSizing:
     """LoadModel, printing each startup phase as it streams; returns the sizing of the ready model."""
     _say(f"\nloading {model} (a cold compile takes a minute or more; a cache hit, seconds)")
-    request = exec_pb2.LoadModelRequest(name=model, model=common_pb2.ModelSpec(preset=model),
-                                        config=common_pb2.CompileConfig(device=device))
-    sizing = None
-    # Read to the stream's end, past the ready event: the call (and its client span) ends here, inside the demo's
-    # root span, not when the abandoned stream is collected after the generates.
-    async for event in stub.LoadModel(request):
-        if event.HasField("ready"):
-            sizing = event.ready
-            _say(f"ready: {sizing.dtype} {sizing.runtime_mode} on {sizing.device}, {sizing.num_kv_blocks} KV blocks of "
-                 f"{sizing.block_size} tokens, bundle {sizing.key.digest[:16] or '-'}")
-            continue
-        p = event.phase
-        if p.progress:
-            _say(f"           {p.phase:<20} {p.detail}")
-        else:
-            _say(f"  {p.seconds:7.2f}s  {p.phase:<20} {p.detail}")
-    if sizing is None:
-        raise RuntimeError("LoadModel stream ended before the model was ready")
+    request = exec_pb2.LoadModelRequest(name=model, model=model_spec(model), config=compile_config(device))
+    sizing = await load_async(stub, request, lambda phase: _say(phase_line(phase)))
+    _say(ready_line(sizing))
     return sizing
 
 
@@ -135,21 +135,16 @@ async def _generate_all(stub, model: str, prompts: list[list[int]], max_tokens: 
 async def _generate(stub, model: str, prompt: list[int], max_tokens: int) -> tuple[list[int], exec_pb2.Usage]:
     request = exec_pb2.GenerateRequest(model=model, prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0,
                                        ignore_eos=True)
-    tokens: list[int] = []
-    usage = exec_pb2.Usage()
-    async for response in stub.Generate(request):
-        tokens.extend(response.token_ids)
-        if response.HasField("usage"):
-            usage = response.usage
-    return tokens, usage
+    generation = await generate_async(stub, request)
+    return generation.token_ids, generation.usage
 
 
 async def _print_forward_stats(stub, model: str) -> None:
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
     _say("\n" + stats_line(stats))
     for s in stats:
-        _say(f"  batch {s.batch_size:3d}: {s.count:4d} forwards, median {s.median_ms:8.2f} ms, "
-             f"p90 {s.p90_ms:8.2f} ms, {s.runtime_mode}")
+        _say(f"  batch {s.batch_size:3d} {s.phase:<7} {s.path:<15}: {s.count:4d} forwards, "
+             f"median {s.median_ms:8.2f} ms, p90 {s.p90_ms:8.2f} ms, {s.runtime_mode}")
 
 
 def _default_device() -> str:

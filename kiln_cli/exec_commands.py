@@ -14,16 +14,16 @@ import grpc
 from google.protobuf import json_format
 
 from exec_service.api.runtime_modes import runtime_mode_to_proto
+from kiln.client.channels import connect
+from kiln.client.failures import EXEC_SERVICE
+from kiln.client.generate import Generation
+from kiln.client.load import load, phase_line, ready_line
+from kiln.client.requests import model_spec
 from kiln.rpc.grpc_server import leave_unfinished_workers, serve_until_signal
 from kiln.runtime_mode import RuntimeMode
 from kiln_cli import metrics_args, security_args
-from kiln_cli.compile_commands import (
-    add_compile_config_args,
-    add_shutdown_grace_arg,
-    client_channel,
-    compile_config,
-    model_spec,
-)
+from kiln_cli.arguments import EXEC_ADDRESS, add_server_address, int_list
+from kiln_cli.compile_commands import add_compile_config_args, add_shutdown_grace_arg, compile_config
 from kiln_cli.output import Printer, report_rpc_error
 from protos import common_pb2, exec_pb2, exec_pb2_grpc
 
@@ -32,7 +32,7 @@ FINISH_REASONS = {exec_pb2.FINISH_REASON_STOP: "stop", exec_pb2.FINISH_REASON_LE
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("exec-server", help="run the execute service")
-    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--port", type=int, default=50052, help="port to listen on")
     p.add_argument("--compile-server", default="", help="compile service address; bundles are fetched from it")
     p.add_argument("--store", default=None,
                    help="a store shared with the compile services, read first: a directory or redis://HOST:PORT/DB")
@@ -50,82 +50,99 @@ def register(subparsers) -> None:
     p.set_defaults(handler=run_exec_server)
 
     p = subparsers.add_parser("load", help="load a model on an execute service, printing each startup phase")
-    p.add_argument("address", help="execute service address, e.g. localhost:50052")
-    p.add_argument("model", help="a preset name or a local Hugging Face directory")
+    add_server_address(p, EXEC_ADDRESS, "execute service")
+    p.add_argument("model", help="a preset name, a local Hugging Face directory or a Hub id (org/name[@revision])")
     p.add_argument("--name", default="", help="name for Generate (default: the preset or directory name)")
     p.add_argument("--weights", default="dummy",
                    help="'dummy', a local HF directory with safetensors, or a Hub id (org/name[@revision])")
-    p.add_argument("--weights-seed", type=int, default=0)
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of the dummy weights")
     p.add_argument("--key", default="", help="load this bundle instead of compiling from the config")
-    p.add_argument("--max-model-len", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=0)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.0)
-    p.add_argument("--kv-cache-bytes", type=int, default=0, help="KV budget on CPU, a cap on CUDA")
-    p.add_argument("--block-size", type=int, default=0)
-    p.add_argument("--capture-sizes", default="", help="comma-separated batch sizes with a CUDA graph")
-    p.add_argument("--max-num-waiting", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings, at most "
+                        "4096)")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="most sequences in one step (default: 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="the scheduler's step budget, up to --max-compiled-tokens; not a key factor: any budget "
+                        "loads the same bundle (default: the compiled range)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                   help="fraction of device memory Kiln may use on CUDA (default: 0.9)")
+    p.add_argument("--kv-cache-bytes", type=int, default=0,
+                   help="KV budget on CPU, a cap on CUDA (default: 64 MiB on CPU, no cap on CUDA)")
+    p.add_argument("--block-size", type=int, default=0, help="tokens per KV block, a power of two (default: 16)")
+    p.add_argument("--capture-sizes", type=int_list, default=[], metavar="N,N,...",
+                   help="batch sizes with a CUDA graph (default: 1,2,4 and the multiples of 8 up to max_num_seqs)")
+    p.add_argument("--max-num-waiting", type=int, default=0,
+                   help="requests that may wait for a slot before Generate answers RESOURCE_EXHAUSTED (default: 256)")
+    p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3", "fp8"],
+                   help="fp8_e4m3: keys and values in FP8, twice the blocks (default: the model's dtype)")
+    p.add_argument("--kv-cache-scale", type=float, default=0.0,
+                   help="the FP8 cache's scale, every layer and head (default: 1.0)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt token; by default full KV blocks are reused by later prompts with the "
                         "same prefix (docs/prefix-caching.md)")
+    p.add_argument("--piecewise-capture-sizes", type=int_list, default=[], metavar="N,N,...",
+                   help="token counts with piecewise CUDA graphs for prefill and mixed steps; 0 turns them off "
+                        "(default: 8 ... 512, up to the step token budget)")
     p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
-                   help="default: cudagraph on CUDA, compiled on CPU")
+                   help="how forwards run (default: cudagraph on CUDA, compiled on CPU)")
     add_compile_config_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     security_args.add_client_args(p)
     p.set_defaults(handler=run_load)
 
     p = subparsers.add_parser("generate", help="stream tokens for one prompt")
-    p.add_argument("address")
+    add_server_address(p, EXEC_ADDRESS, "execute service")
     p.add_argument("--model", required=True, help="a name from kiln load")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text (the model needs a tokenizer)")
-    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    prompt.add_argument("--prompt-ids", type=int_list, metavar="ID,ID,...", help="the prompt as token ids")
     prompt.add_argument("--chat", help="one user message, rendered with the model's chat template")
     prompt.add_argument("--message", action="append", type=_chat_message, metavar="ROLE=CONTENT",
                         help="a chat message (repeat it: --message system='Be brief.' --message user='Hi')")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop-token-ids", default="", help="comma-separated token ids that end generation")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most (default: 16)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature; 0 is greedy (default: 1.0)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: keep the smallest set of tokens with this much probability (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed of this request's sampling (default: none)")
+    p.add_argument("--stop-token-ids", type=int_list, default=[], metavar="ID,ID,...",
+                   help="token ids that end generation besides the model's end-of-sequence")
     p.add_argument("--stop", action="append", default=[], help="text that ends generation, not returned (repeat it)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence or stop before this many tokens")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
-    p.add_argument("--repetition-penalty", type=float, default=None, help="in (0, 10]; 1 changes nothing")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="in (0, 10]; 1 changes nothing (default: 1)")
     p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
     p.add_argument("--top-logprobs", type=int, default=0, help="with --logprobs: this many alternatives, up to 20")
-    p.add_argument("--n", type=int, default=0, help="sequences of the one prompt (each printed whole as it ends)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--n", type=int, default=0,
+                   help="sequences of the one prompt, each printed whole as it ends (default: 1)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
     security_args.add_client_args(p)
     p.set_defaults(handler=run_generate)
 
     p = subparsers.add_parser("models", help="list the models of an execute service")
-    p.add_argument("address")
-    p.add_argument("--json", action="store_true")
+    add_server_address(p, EXEC_ADDRESS, "execute service")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
     security_args.add_client_args(p)
     p.set_defaults(handler=run_models)
 
     p = subparsers.add_parser("unload", help="unload a model from an execute service")
-    p.add_argument("address")
-    p.add_argument("name")
-    p.add_argument("--json", action="store_true")
+    add_server_address(p, EXEC_ADDRESS, "execute service")
+    p.add_argument("name", help="the model's name, as kiln models lists it")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
     security_args.add_client_args(p)
     p.set_defaults(handler=run_unload)
 
     p = subparsers.add_parser("stats", help="forward time per batch size")
-    p.add_argument("address")
-    p.add_argument("--model", default="")
+    add_server_address(p, EXEC_ADDRESS, "execute service")
+    p.add_argument("--model", default="", help="one model's statistics (default: every model's)")
     p.add_argument("--reset", action="store_true", help="clear the statistics after reading them")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
     security_args.add_client_args(p)
     p.set_defaults(handler=run_stats)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(s) for s in text.split(",") if s.strip()]
 
 
 def load_request_json(text: str) -> exec_pb2.LoadModelRequest:
@@ -171,8 +188,9 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         weights=local_weights(args.weights), weights_seed=args.weights_seed, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
-        block_size=args.block_size, capture_sizes=_ints(args.capture_sizes), max_num_waiting=args.max_num_waiting,
-        runtime_mode=runtime_mode_to_proto(args.runtime_mode))
+        block_size=args.block_size, capture_sizes=args.capture_sizes, max_num_waiting=args.max_num_waiting,
+        runtime_mode=runtime_mode_to_proto(args.runtime_mode), piecewise_capture_sizes=args.piecewise_capture_sizes,
+        kv_cache_dtype=args.kv_cache_dtype, kv_cache_scale=args.kv_cache_scale)
     if args.no_prefix_caching:
         request.enable_prefix_caching = False
     if args.key:
@@ -185,14 +203,16 @@ def local_weights(weights: str) -> str:
     return str(Path(weights).resolve()) if weights != "dummy" and Path(weights).exists() else weights
 
 
-def _call(args, work) -> int:
-    """Run ``work(stub, printer)`` against the execute service at ``args.address``; a failed call exits 1."""
+def _call(args, method: str, work) -> int:
+    """Run ``work(stub, printer)`` against the execute service at ``args.server``; a failed call exits 1, saying
+    what answered there when it is not an execute service."""
     out = Printer(args.json)
-    with client_channel(args, args.address) as channel:
+    security = security_args.client_security(args)
+    with connect(args.server, security) as channel:
         try:
             work(exec_pb2_grpc.ExecServiceStub(channel), out)
         except grpc.RpcError as exc:
-            return report_rpc_error(exc)
+            return report_rpc_error(exc, args.server, security, EXEC_SERVICE, method)
         except KeyboardInterrupt:  # closing the channel cancels the call: the server frees what it held
             print("\ninterrupted", file=sys.stderr)
             return 130
@@ -201,24 +221,18 @@ def _call(args, work) -> int:
 
 def run_load(args) -> int:
     def work(stub, out: Printer):
-        for event in stub.LoadModel(load_request(args)):
-            if event.HasField("phase"):
-                p = event.phase
-                out.message(event, f"           {p.phase}: {p.detail}" if p.progress
-                            else f"{p.seconds:8.2f}s  {p.phase}  {p.detail}")
-            else:
-                s = event.ready
-                out.message(event, f"ready: {s.num_kv_blocks} KV blocks of {s.block_size} tokens "
-                                   f"({s.kv_cache_bytes / 2**20:.1f} MiB), max_num_seqs {s.max_num_seqs}, "
-                                   f"max_model_len {s.max_model_len}, {s.dtype} {s.runtime_mode} on {s.device}, "
-                                   f"prefix caching {'on' if s.prefix_caching else 'off'}")
+        def phase(p: exec_pb2.StartupPhase) -> None:
+            out.message(exec_pb2.LoadModelEvent(phase=p), phase_line(p))
 
-    return _call(args, work)
+        sizing = load(stub, load_request(args), phase)
+        out.message(exec_pb2.LoadModelEvent(ready=sizing), ready_line(sizing))
+
+    return _call(args, "LoadModel", work)
 
 
 def generate_request(args) -> exec_pb2.GenerateRequest:
     request = exec_pb2.GenerateRequest(
-        model=args.model, top_k=args.top_k, stop_token_ids=_ints(args.stop_token_ids), ignore_eos=args.ignore_eos,
+        model=args.model, top_k=args.top_k, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
         stop=args.stop, min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, logprobs=args.logprobs, top_logprobs=args.top_logprobs, n=args.n)
     if args.prompt is not None:
@@ -228,7 +242,7 @@ def generate_request(args) -> exec_pb2.GenerateRequest:
     elif args.message:
         request.messages.extend(args.message)
     else:
-        request.prompt_ids.extend(_ints(args.prompt_ids))
+        request.prompt_ids.extend(args.prompt_ids)
     for field in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty"):
         if getattr(args, field) is not None:
             setattr(request, field, getattr(args, field))
@@ -243,14 +257,14 @@ def _chat_message(text: str) -> exec_pb2.ChatMessage:
 
 
 @contextmanager
-def cancel_on_interrupt(call) -> Iterator[threading.Event]:
-    """Ctrl-C cancels ``call``, whose stream then ends with CANCELLED, rather than raising KeyboardInterrupt inside
+def cancel_on_interrupt(generation: Generation) -> Iterator[threading.Event]:
+    """Ctrl-C cancels the call, whose stream then ends with CANCELLED, rather than raising KeyboardInterrupt inside
     gRPC's own locks (which printed their traceback). The event says whether it was pressed."""
     interrupted = threading.Event()
 
     def cancel(signum, frame) -> None:
         interrupted.set()
-        call.cancel()
+        generation.cancel()
 
     previous = signal.signal(signal.SIGINT, cancel)
     try:
@@ -261,16 +275,16 @@ def cancel_on_interrupt(call) -> Iterator[threading.Event]:
 
 def run_generate(args) -> int:
     def work(stub, out: Printer):
-        call = stub.Generate(generate_request(args))
-        with cancel_on_interrupt(call) as interrupted:
+        generation = Generation(stub, generate_request(args))
+        with cancel_on_interrupt(generation) as interrupted:
             try:
-                print_responses(call, out, several=args.n > 1)
+                print_responses(generation, out, several=args.n > 1)
             except grpc.RpcError:
                 if interrupted.is_set():
                     raise KeyboardInterrupt from None
                 raise
 
-    return _call(args, work)
+    return _call(args, "Generate", work)
 
 
 def print_responses(responses, out: Printer, several: bool = False) -> None:
@@ -304,7 +318,10 @@ def print_responses(responses, out: Printer, several: bool = False) -> None:
 
 def run_models(args) -> int:
     def work(stub, out: Printer):
-        for m in stub.ListModels(exec_pb2.ListModelsRequest()).models:
+        models = stub.ListModels(exec_pb2.ListModelsRequest()).models
+        if not models:
+            out.line(f"no models loaded on {args.server} (kiln load puts one there)")
+        for m in models:
             state = exec_pb2.ModelState.Name(m.state).removeprefix("MODEL_STATE_").lower()
             window = f", KV window {m.sizing.kv_window}" if m.sizing.kv_window else ""
             detail = (f"{m.sizing.runtime_mode} on {m.sizing.device}, {m.num_free_blocks}/{m.sizing.num_kv_blocks} "
@@ -312,7 +329,7 @@ def run_models(args) -> int:
                       f"{m.num_waiting} waiting, {prefix_cache(m)}") if m.HasField("sizing") else m.error
             out.message(m, f"{m.name:<20} {state:<8} {detail}")
 
-    return _call(args, work)
+    return _call(args, "ListModels", work)
 
 
 def prefix_cache(m: exec_pb2.ModelInfo) -> str:
@@ -328,15 +345,19 @@ def run_unload(args) -> int:
     def work(stub, out: Printer):
         out.message(stub.UnloadModel(exec_pb2.UnloadModelRequest(name=args.name)), f"unloaded {args.name}")
 
-    return _call(args, work)
+    return _call(args, "UnloadModel", work)
 
 
 def run_stats(args) -> int:
     def work(stub, out: Printer):
-        response = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=args.model, reset=args.reset))
-        out.line(f"{'model':<20} {'batch':>5} {'count':>8} {'median ms':>10} {'p90 ms':>8} {'p99 ms':>8}  mode")
-        for s in response.stats:
-            out.message(s, f"{s.model:<20} {s.batch_size:>5} {s.count:>8} {s.median_ms:>10.3f} {s.p90_ms:>8.3f} "
-                           f"{s.p99_ms:>8.3f}  {s.runtime_mode}")
+        stats = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=args.model, reset=args.reset)).stats
+        if not stats:
+            out.line("no forward statistics yet: no step has run" + (f" for {args.model}" if args.model else ""))
+            return
+        out.line(f"{'model':<20} {'batch':>5} {'phase':<7} {'path':<15} {'count':>8} {'median ms':>10} "
+                 f"{'p90 ms':>8} {'p99 ms':>8}  mode")
+        for s in stats:
+            out.message(s, f"{s.model:<20} {s.batch_size:>5} {s.phase:<7} {s.path:<15} {s.count:>8} "
+                           f"{s.median_ms:>10.3f} {s.p90_ms:>8.3f} {s.p99_ms:>8.3f}  {s.runtime_mode}")
 
-    return _call(args, work)
+    return _call(args, "GetForwardStats", work)

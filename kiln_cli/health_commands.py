@@ -6,15 +6,17 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kiln.client.failures import unreachable
 from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
 from kiln_cli import security_args
+from kiln_cli.arguments import add_server_address
 
 SERVING = "SERVING"
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("health", help="check a server through the gRPC health service (exit 0 when SERVING)")
-    p.add_argument("address", help="host:port of a compile or execute service")
+    add_server_address(p, None, "compile or execute service")
     p.add_argument("--service", default="",
                    help="name to check: '' is the whole server (default), kiln.v1.ExecService/<model> one model")
     p.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for an answer (default: %(default)s)")
@@ -31,11 +33,12 @@ def check(address: str, service: str = "", timeout: float = 5.0, client: ClientS
 
 
 def run_health(args) -> int:
-    what = f"{args.address} service {args.service!r}" if args.service else args.address
+    what = f"{args.server} service {args.service!r}" if args.service else args.server
+    security = security_args.client_security(args)
     try:
-        status = check(args.address, args.service, args.timeout, security_args.client_security(args))
+        status = check(args.server, args.service, args.timeout, security)
     except grpc.RpcError as exc:
-        print(f"error: {what}: {exc.code().name}: {_reason(exc)}", file=sys.stderr)
+        print(f"error: {what}: {exc.code().name}: {_reason(exc, args.server, security)}", file=sys.stderr)
         return 1
     if status != SERVING:
         print(f"error: {what}: {status}", file=sys.stderr)
@@ -44,12 +47,12 @@ def run_health(args) -> int:
     return 0
 
 
-def _reason(exc: grpc.RpcError) -> str:
+def _reason(exc: grpc.RpcError, address: str, security: ClientSecurity) -> str:
     """The health service's own words for the usual failures, which gRPC's details leave terse."""
     if exc.code() == grpc.StatusCode.NOT_FOUND:
         return "the server does not know this service name (is the model loaded?)"
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        return f"nothing answers there ({exc.details()})"
+        return unreachable(exc.details() or "", address, security)
     return exc.details() or "no details"
 
 

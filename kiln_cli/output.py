@@ -7,6 +7,9 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
+from kiln.client.failures import EXEC_SERVICE, explain
+from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
+
 _INT64_TYPES = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
                 FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
 
@@ -66,7 +69,12 @@ def _int64_as_numbers(descriptor: Descriptor, values: dict) -> dict:
     return values
 
 
-def report_rpc_error(exc: grpc.RpcError) -> int:
-    """A failed call as the status and message a person can act on; exit code 1."""
-    print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+def report_rpc_error(exc: grpc.RpcError, address: str = "", security: ClientSecurity = PLAINTEXT,
+                     service: str = EXEC_SERVICE, method: str = "") -> int:
+    """A failed call as the status and message a person can act on (what answers at ``address`` when it is the
+    wrong service, a TLS handshake that failed); exit code 1."""
+    if address:
+        print(f"error: {explain(exc, address, security, service, method)}", file=sys.stderr)
+    else:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
     return 1

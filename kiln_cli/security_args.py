@@ -13,12 +13,15 @@ from kiln.rpc.client_security import ClientSecurity
 from kiln.rpc.grpc_server import DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, ServerSecurity
 from kiln.rpc.tls import ServerTls, TlsFileError
 from kiln.store.signing import KeyFileError
+from kiln_cli.arguments import CLIENT_ENVIRONMENT, SERVER_ENVIRONMENT
 
 # What a refused key, certificate or token file raises: the command prints it and exits 2.
 SETTING_ERRORS = (KeyFileError, TlsFileError, TokenFileError)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The TLS, token and bound flags of a server command; its help lists their environment variables."""
+    p.epilog = SERVER_ENVIRONMENT
     p.add_argument("--host", default=DEFAULT_HOST,
                    help="interface to bind (default: %(default)s; anything else warns unless TLS and tokens are on)")
     p.add_argument("--tls-cert", default=os.environ.get("KILN_TLS_CERT"), help="server certificate chain (PEM)")
@@ -44,6 +47,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
+    """The TLS flags of a client command; its help lists the environment variables (the token among them)."""
+    p.epilog = "\n\n".join(filter(None, [p.epilog, CLIENT_ENVIRONMENT]))
     p.add_argument("--tls-ca", default=None, help="CA of the server's certificate: use TLS (env KILN_TLS_CA)")
     p.add_argument("--tls-client-cert", default=None,
                    help="client certificate for mutual TLS (env KILN_TLS_CLIENT_CERT)")

@@ -162,3 +162,8 @@ class LocalServices:
                 service.stop()
             except ServiceFailed:
                 service.kill()
+
+    def kill(self) -> None:
+        """No grace: what a second Ctrl-C asks for."""
+        for service in reversed(self.started):
+            service.kill()

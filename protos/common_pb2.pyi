@@ -27,18 +27,22 @@ class SplittingOps(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CompileConfig(_message.Message):
-    __slots__ = ("splitting_ops", "compile_sizes", "max_num_batched_tokens", "inductor_config_patches_json", "device")
+    __slots__ = ("splitting_ops", "compile_sizes", "max_num_batched_tokens", "inductor_config_patches_json", "device", "max_compiled_tokens", "quantization")
     SPLITTING_OPS_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SIZES_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDUCTOR_CONFIG_PATCHES_JSON_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPILED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     splitting_ops: SplittingOps
     compile_sizes: _containers.RepeatedScalarFieldContainer[int]
     max_num_batched_tokens: int
     inductor_config_patches_json: str
     device: str
-    def __init__(self, splitting_ops: _Optional[_Union[SplittingOps, _Mapping]] = ..., compile_sizes: _Optional[_Iterable[int]] = ..., max_num_batched_tokens: _Optional[int] = ..., inductor_config_patches_json: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    max_compiled_tokens: int
+    quantization: str
+    def __init__(self, splitting_ops: _Optional[_Union[SplittingOps, _Mapping]] = ..., compile_sizes: _Optional[_Iterable[int]] = ..., max_num_batched_tokens: _Optional[int] = ..., inductor_config_patches_json: _Optional[str] = ..., device: _Optional[str] = ..., max_compiled_tokens: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class ArtifactKey(_message.Message):
     __slots__ = ("digest",)

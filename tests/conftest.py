@@ -5,15 +5,16 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
-from kiln.rpc.grpc_server import CHANNEL_OPTIONS
-from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2_grpc
+from kiln.client.channels import connect
+from kiln.client.compile import compile_model
+from kiln.client.load import load
+from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
 # The compile config every test shares, so the tiny model compiles once per session.
 TINY_MODEL = common_pb2.ModelSpec(preset="tiny-llama")
-TINY_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[8], max_num_batched_tokens=128)
+TINY_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[8], max_compiled_tokens=128)
 # A torch version no machine runs: a bundle factor that differs from this process's, whichever torch it has.
 ANOTHER_TORCH = "0.0.0"
 
@@ -68,25 +69,24 @@ def compile_store(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def compile_server(compile_store, signer):
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
-    server = BackgroundServer(lambda: start_compile_server(compile_store, "127.0.0.1:0", signer=signer))
+    settings = CompileServerSettings("127.0.0.1:0", compile_store, signer)
+    server = BackgroundServer(lambda: start_compile_server(settings))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def compile_stub(compile_server):
-    channel = grpc.insecure_channel(compile_server.address, options=CHANNEL_OPTIONS)
+    channel = connect(compile_server.address)
     yield compile_pb2_grpc.CompileServiceStub(channel)
     channel.close()
 
 
 def compile_result(stub, model=TINY_MODEL, config=TINY_CONFIG) -> compile_pb2.CompileResult:
     """Run a Compile to the end and return its result."""
-    events = list(stub.Compile(compile_pb2.CompileRequest(model=model, config=config)))
-    assert events[-1].HasField("result")
-    return events[-1].result
+    return compile_model(stub, compile_pb2.CompileRequest(model=model, config=config))
 
 
 @pytest.fixture(scope="session")
@@ -174,7 +174,7 @@ def exec_server(compile_server, tiny_key, exec_cache, step_records, trusted_keys
 
 @pytest.fixture(scope="session")
 def exec_channel(exec_server):
-    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
+    channel = connect(exec_server.address)
     yield channel
     channel.close()
 
@@ -188,12 +188,10 @@ def exec_stub(exec_channel):
 
 def load_model(stub, name: str, model=TINY_MODEL, **fields) -> list:
     """LoadModel to the end; returns every event, the last one ``ready``."""
-    from protos import exec_pb2
-
     request = exec_pb2.LoadModelRequest(name=name, model=model, config=TINY_CONFIG, **fields)
-    events = list(stub.LoadModel(request))
-    assert events[-1].HasField("ready")
-    return events
+    events = []
+    sizing = load(stub, request, lambda phase: events.append(exec_pb2.LoadModelEvent(phase=phase)))
+    return [*events, exec_pb2.LoadModelEvent(ready=sizing)]
 
 
 @pytest.fixture(scope="session")
@@ -205,15 +203,15 @@ def tiny_loaded(exec_stub) -> list:
 @pytest.fixture(scope="module")
 def gpu_stub(tmp_path_factory, signer, trusted_keys):
     """A compile and an execute service on loopback for a GPU test module: an ExecService stub."""
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
     from exec_service.server import ExecServerSettings, start_exec_server
 
-    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
-                                                                   signer=signer))
+    compile_server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", tmp_path_factory.mktemp("store"), signer)))
     settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
                                   cache_dir=tmp_path_factory.mktemp("cache"))
     exec_server = BackgroundServer(lambda: start_exec_server(settings))
-    channel = grpc.insecure_channel(exec_server.address, options=CHANNEL_OPTIONS)
+    channel = connect(exec_server.address)
     yield exec_pb2_grpc.ExecServiceStub(channel)
     channel.close()
     exec_server.stop()

@@ -34,4 +34,4 @@ def test_bench_latency_rejects_a_bad_config(exec_server, tiny_loaded):
     proc = subprocess.run([sys.executable, "-m", "kiln_cli", "bench", "latency", "tiny-llama", "--exec-server",
                            exec_server.address, "-O", '{"no_such_field": 1}'], capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 2 and "-O: not a CompileConfig" in proc.stderr
+    assert proc.returncode == 2 and "-O/--compile-config: not a CompileConfig" in proc.stderr

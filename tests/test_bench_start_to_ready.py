@@ -19,7 +19,7 @@ def test_cold_and_warm_start_to_ready_with_every_phase(compile_store, tiny_key, 
     out = tmp_path / "runs.json"
     proc = subprocess.run(
         [sys.executable, "bench/start_to_ready.py", "--preset", "tiny-llama", "--device", "cpu", "--dtype", "float32",
-         "--max-num-batched-tokens", str(TINY_CONFIG.max_num_batched_tokens), "--compile-sizes", "8",
+         "--max-num-batched-tokens", str(TINY_CONFIG.max_compiled_tokens), "--compile-sizes", "8",
          "--store", str(compile_store), "--key", tiny_key, "--trusted-keys", str(signing_dir / "signing.pub"),
          "--no-evict", "--json-out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -150,8 +150,8 @@ NEW_KEY = {
     "dtype float16": (common_pb2.ModelSpec(preset="tiny-llama", dtype="float16"), TINY_CONFIG, "dtype"),
     "a compile size more": (TINY_MODEL, compile_config(compile_sizes=[8, 16]), "compile_config.compile_sizes"),
     "no compile sizes": (TINY_MODEL, compile_config(compile_sizes=[]), "compile_config.compile_sizes"),
-    "symbolic range": (TINY_MODEL, compile_config(max_num_batched_tokens=256),
-                       "compile_config.max_num_batched_tokens"),
+    "symbolic range": (TINY_MODEL, compile_config(max_compiled_tokens=256),
+                       "compile_config.max_compiled_tokens"),
     "split ops: full graph": (TINY_MODEL, compile_config(splitting_ops=[]), "compile_config.splitting_ops"),
     "Inductor patch max_autotune": (TINY_MODEL, compile_config(
         inductor_config_patches_json=json.dumps({"max_autotune": True})), "compiler.inductor.max_autotune"),

@@ -50,7 +50,7 @@ def test_a_layer_runs_one_gemm_per_projection_group():
     attention, mlp = module.layers.steps[0].layer.self_attn, module.layers.steps[0].layer.mlp
     assert attention.q_proj.weight is attention.k_proj.weight is attention.v_proj.weight
     assert mlp.gate_proj.weight is mlp.up_proj.weight and mlp.down_proj.weight is not mlp.up_proj.weight
-    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_num_batched_tokens=64))
+    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_compiled_tokens=64))
     counts = []
 
     def count_linears(gm, example_inputs):
@@ -299,7 +299,7 @@ def test_health_and_reflection(compile_server):
 def test_cli_compile_reports_key_and_timings(compile_server, tiny_key):
     proc = subprocess.run([sys.executable, "-m", "kiln_cli", "compile", "tiny-llama", "--server",
                            compile_server.address, "--device", "cpu", "--compile-sizes", "8",
-                           "--max-num-batched-tokens", "128", "--json"],
+                           "--max-compiled-tokens", "128", "--json"],
                           capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -36,6 +36,12 @@ def test_demo_exits_0(demo):
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
+def test_demo_names_no_log_folder_it_then_deletes(demo):
+    """The service logs are kept, and named, only when the demo failed."""
+    result, _ = demo
+    assert "logs" not in result.stdout + result.stderr
+
+
 def test_demo_prints_startup_phases_tokens_and_forward_times(demo):
     out = demo[0].stdout
     for phase in ("fetch", "load_weights", "profile_memory", "load_compiled"):

@@ -16,9 +16,13 @@ from conftest import TINY_MODEL, load_model
 
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine
+from exec_service.engine.kv_cache import KVCacheSpec
+from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.sequence import SamplingParams, Sequence
+from exec_service.engine.step_inputs import StepBuffers
 from exec_service.startup import kv_sizing
+from exec_service.startup.weights import load_weights
 from kiln.errors import Internal
 from kiln.model.spec import resolve
 from kiln.runtime_mode import RuntimeMode
@@ -53,10 +57,12 @@ class FailingOnce:
 
 @pytest.fixture
 def engine():
-    runner = ModelRunner(resolve(TINY_MODEL, "cpu"), CONFIG)
-    runner.load_weights("dummy", 0)
-    runner.allocate_kv_cache(kv_sizing.num_blocks(kv_sizing.memory_budget(CONFIG, runner.weights_bytes, 0),
-                                                  runner.kv_cache_spec, CONFIG.max_model_len))
+    resolved = resolve(TINY_MODEL, "cpu")
+    loaded = load_weights(resolved, CONFIG, "dummy", 0)
+    spec = KVCacheSpec.from_config(resolved.config, CONFIG.block_size, resolved.dtype)
+    blocks = kv_sizing.num_blocks(kv_sizing.memory_budget(CONFIG, loaded.weights_bytes, 0), spec, CONFIG.max_model_len)
+    runner = ModelRunner(CONFIG, ModelForward(loaded.token_model), kv_sizing.allocate(spec, blocks, "cpu", 0),
+                         StepBuffers.for_config(CONFIG, resolved.config.vocab_size))
     runner.execute = FailingOnce(runner.execute)
     engine = Engine("tiny", runner, CONFIG, frozenset())
     engine.start()

@@ -1,5 +1,7 @@
 """Block manager, scheduler and sampler on their own: budgets, chunked prefill, preemption order, sampling rules."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -163,6 +165,49 @@ def test_step_inputs_take_a_pending_token_from_the_previous_steps_output_and_pad
     sampling = second.sampling
     assert sampling.positions.tolist() == [6, 4] and sampling.seeds.tolist() == [a.noise_seed, 3]
     assert sampling.top_k.tolist() == [512, 7] and not sampling.all_greedy and sampling.any_top_k_top_p
+
+
+def test_a_step_padded_for_a_piecewise_graph_writes_and_reads_the_real_tokens_only():
+    """A mixed step of 11 tokens padded to 16: the padding is in no sequence with slot -1, so attention leaves the
+    KV cache as the unpadded step leaves it and gives the padding rows zeros; the real rows are the unpadded ones."""
+    scheduler = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    for name, length in (("a", 3), ("b", 2)):
+        scheduler.add(seq(name, length))
+    run_step(scheduler)  # a and b prefill; next: their decodes
+    scheduler.add(seq("c", 9))
+    batch = scheduler.schedule()
+    assert batch.phase == "mixed" and batch.num_tokens == 11
+    buffers = StepBuffers(max_tokens=64, max_seqs=8, max_blocks_per_seq=8, block_size=4, vocab_size=512, device="cpu")
+    plain, _ = buffers.prepare(batch)
+    plain_ids, m = plain.input_ids.clone(), plain.metadata  # copies: the next prepare fills the same buffers
+    plain_meta = dataclasses.replace(m, slot_mapping=m.slot_mapping.clone(), query_start_loc=m.query_start_loc.clone(),
+                                     seq_lens=m.seq_lens.clone(), block_tables=m.block_tables.clone())
+    padded, _ = buffers.prepare(batch, padded_tokens=16)
+    meta = padded.metadata
+    assert padded.num_tokens == 16 and padded.input_ids[:11].tolist() == plain_ids.tolist()
+    assert meta.slot_mapping[11:].tolist() == [-1] * 5
+    assert meta.slot_mapping[:11].tolist() == plain_meta.slot_mapping.tolist()
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 11] and meta.seq_lens.tolist() == [4, 3, 9]
+    assert (meta.num_seqs, meta.num_decodes, meta.max_query_len) == (3, 2, 9)
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(16, 4, 8), torch.randn(16, 2, 8), torch.randn(16, 2, 8)
+    cache = torch.randn(2, 16, 4, 2, 8)
+    unpadded_cache, padded_cache = cache.clone(), cache.clone()
+    unpadded = attention_reference.paged_attention(q[:11], k[:11], v[:11], unpadded_cache, plain_meta, 0.3)
+    out = attention_reference.paged_attention(q, k, v, padded_cache, meta, 0.3)
+    assert torch.equal(padded_cache, unpadded_cache)
+    torch.testing.assert_close(out[:11], unpadded)
+    assert not out[11:].any()
+
+
+def test_every_step_buffer_view_starts_16_bytes_aligned():
+    """As the warm-ups' own tensors do: Triton builds a kernel per pointer alignment, so a misaligned view (the
+    sequence lengths after 129 query starts, say) would build one while serving."""
+    buffers = StepBuffers(max_tokens=37, max_seqs=129, max_blocks_per_seq=3, block_size=4, vocab_size=512, device="cpu")
+    for packed in (buffers._long, buffers._float, buffers._int):
+        for name in packed.offsets:
+            assert packed.device_view(name).data_ptr() % 16 == 0, name
 
 
 def test_a_mixed_step_splits_into_its_leading_decodes_and_the_rest():

@@ -107,7 +107,7 @@ def test_kill_9_mid_compile_leaves_nothing_after_a_restart(tmp_path, signing_dir
             # A token range no other test compiles: Inductor's cache has none of its pieces, so the compile is still
             # running when the signal comes (a layer compiled once takes seconds, not a minute).
             unseen = config(compile_sizes=[4])
-            unseen.max_num_batched_tokens = 120
+            unseen.max_compiled_tokens = 120
             events = stub.Compile(compile_pb2.CompileRequest(model=TINY_MODEL, config=unseen))
             next(e for e in events if e.progress.phase == "trace")
             signalled = time.monotonic()

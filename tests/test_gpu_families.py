@@ -1,6 +1,7 @@
 """On a CUDA device, every supported family through the real servers, compiled and replayed in CUDA graphs, judged
 token by token by transformers' float32 model: in bfloat16 for every family, in float32 for the families whose
-windows and caps differ most (all layers local; local and global; capped).
+windows and caps differ most (all layers local; local and global; capped). Prefill and mixed steps replay piecewise
+graphs, and give the same tokens as the same model with piecewise graphs off.
 
 Each family's tiny model of tests/test_model_families.py, scaled to GPU shapes (hidden 256; Gemma's head_dim 256
 with its caps, Phi-3's 96), saved with ``save_pretrained`` and loaded from that directory. The Triton kernels then
@@ -59,22 +60,28 @@ def test_family_cuda_graphs_follow_transformers(gpu_stub, tmp_path, model_type, 
 
     gpu_model_dir(model_type, tmp_path)
     name = f"gpu-{model_type}-{dtype}"
-    request = exec_pb2.LoadModelRequest(
-        name=name, model=common_pb2.ModelSpec(hf_dir=str(tmp_path), dtype=dtype), weights=str(tmp_path),
-        config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256), max_model_len=512,
-        max_num_seqs=8, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH, kv_cache_bytes=256 << 20,
-        capture_sizes=[1, 2, 4, 8])
-    events = list(gpu_stub.LoadModel(request))
-    assert events[-1].ready.runtime_mode == "cudagraph" and events[-1].ready.dtype == dtype
 
-    def generate(prompt):
-        return [t for r in gpu_stub.Generate(exec_pb2.GenerateRequest(
-            model=name, prompt_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-            for t in r.token_ids]
+    def load(name: str, piecewise_capture_sizes: list[int]) -> None:
+        request = exec_pb2.LoadModelRequest(
+            name=name, model=common_pb2.ModelSpec(hf_dir=str(tmp_path), dtype=dtype), weights=str(tmp_path),
+            config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256), max_model_len=512,
+            max_num_seqs=8, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH, kv_cache_bytes=256 << 20,
+            capture_sizes=[1, 2, 4, 8], piecewise_capture_sizes=piecewise_capture_sizes)
+        events = list(gpu_stub.LoadModel(request))
+        assert events[-1].ready.runtime_mode == "cudagraph" and events[-1].ready.dtype == dtype
 
-    try:
+    def generate_all(name: str) -> list[list[int]]:
+        def generate(prompt):
+            return [t for r in gpu_stub.Generate(exec_pb2.GenerateRequest(
+                model=name, prompt_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+                for t in r.token_ids]
+
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: decode batches of several sizes
-            outputs = list(pool.map(generate, PROMPTS))
+            return list(pool.map(generate, PROMPTS))
+
+    load(name, [])
+    try:
+        outputs = generate_all(name)
         attention = reference_attention(AutoConfig.from_pretrained(tmp_path))
         served = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=getattr(torch, dtype),
                                                       **attention).to("cuda").eval()
@@ -82,6 +89,11 @@ def test_family_cuda_graphs_follow_transformers(gpu_stub, tmp_path, model_type, 
             assert len(got) == MAX_TOKENS
             assert_each_token_near_the_best(served, prompt, got, COMPARED)
         stats = gpu_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=name)).stats
-        assert any(s.runtime_mode == "cudagraph" for s in stats)
+        assert {"full_graph", "piecewise_graph"} <= {s.path for s in stats}
     finally:
         gpu_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
+    load(f"{name}-no-piecewise", [0])
+    try:
+        assert generate_all(f"{name}-no-piecewise") == outputs
+    finally:
+        gpu_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=f"{name}-no-piecewise"))

@@ -37,11 +37,11 @@ def gpu_steps() -> list:
 
 @pytest.fixture(scope="module")
 def gpu_servers(tmp_path_factory, signer, trusted_keys, gpu_steps):
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
     from exec_service.server import ExecServerSettings, start_exec_server
 
-    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
-                                                                   signer=signer))
+    compile_server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", tmp_path_factory.mktemp("store"), signer)))
     settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address,
                                   cache_dir=tmp_path_factory.mktemp("cache"))
     exec_server = BackgroundServer(lambda: start_exec_server(settings, step_observers=[gpu_steps.append]))
@@ -63,7 +63,7 @@ def _kiln_tokens(stub, name: str, dtype: str, mode) -> list[list[int]]:
         capture_sizes=[1, 2, 4, 8] if mode == exec_pb2.RUNTIME_MODE_CUDAGRAPH else [])
     events = list(stub.LoadModel(request))
     assert events[-1].ready.runtime_mode == exec_pb2.RuntimeMode.Name(mode).removeprefix("RUNTIME_MODE_").lower()
-    captured = [e.phase.detail for e in events if e.phase.progress and e.phase.phase == "capture_cudagraphs"]
+    captured = [e.phase.detail for e in events if e.phase.progress and e.phase.detail.startswith("captured batch")]
     assert len(captured) == (4 if mode == exec_pb2.RUNTIME_MODE_CUDAGRAPH else 0)  # progress per captured size
 
     def generate(prompt):
@@ -117,18 +117,20 @@ def test_graph_replay_equals_compiled_without_graphs(gpu_servers):
     compiled = _kiln_tokens(stub, "small-compiled", "float32", exec_pb2.RUNTIME_MODE_COMPILED)
     assert graphed == compiled
     stats = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="small-graphed")).stats
-    assert any(s.runtime_mode == "cudagraph" for s in stats)
+    assert {s.runtime_mode for s in stats} == {"cudagraph"}
+    paths = {(s.phase, s.path) for s in stats}
+    assert {("prefill", "piecewise_graph"), ("decode", "full_graph")} <= paths
+    assert {path for _, path in paths} == {"piecewise_graph", "full_graph"}
 
 
-def test_concurrent_streams_with_cuda_graphs_equal_each_request_run_alone(gpu_servers, gpu_steps):
-    """tests/test_engine.py's 64-stream harness on the GPU: CUDA graphs, Triton kernels, pinned step buffers and
-    the overlapped engine; float32, so batch composition cannot flip a greedy choice."""
-    stub, model = gpu_servers, "small-streams"
+def _streams(stub, gpu_steps, model: str, piecewise_capture_sizes: list[int]) -> tuple[list, set[str]]:
+    """tests/test_engine.py's 64 streams on ``model``: each finished stream equals its request alone, a cancelled one
+    a prefix of it. Returns the requests' tokens alone and the paths the steps took."""
     blocks = 40  # of 16 tokens, 128 KiB each for this model in float32: the streams need several times that
     events = list(stub.LoadModel(exec_pb2.LoadModelRequest(
         name=model, model=_spec("float32"), config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256),
         weights_seed=SEED, max_model_len=512, max_num_seqs=64, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH,
-        kv_cache_bytes=blocks * 131072, max_num_batched_tokens=64)))
+        kv_cache_bytes=blocks * 131072, max_num_batched_tokens=64, piecewise_capture_sizes=piecewise_capture_sizes)))
     assert events[-1].ready.num_kv_blocks == blocks
     cases, together, steps, alone = streams_together_then_alone(stub, model, gpu_steps)
     for case, (tokens, last), (expected, alone_last) in zip(cases, together, alone, strict=True):
@@ -137,9 +139,21 @@ def test_concurrent_streams_with_cuda_graphs_equal_each_request_run_alone(gpu_se
         else:
             assert tokens == expected and last.finish_reason == alone_last.finish_reason, case
     assert sum(last.usage.num_preemptions for _, last in together if last is not None) > 0
-    assert {"cudagraph", "compiled"} <= {r.runtime_mode for r in steps} and "mixed" in {r.phase for r in steps}
+    assert "mixed" in {r.phase for r in steps} and {r.runtime_mode for r in steps} == {"cudagraph"}
     wait_until(lambda: model_info(stub, model).num_free_blocks == blocks)
     stub.UnloadModel(exec_pb2.UnloadModelRequest(name=model))
+    return [tokens for tokens, _ in alone], {r.path for r in steps}
+
+
+def test_concurrent_streams_with_cuda_graphs_equal_each_request_run_alone(gpu_servers, gpu_steps):
+    """tests/test_engine.py's 64-stream harness on the GPU (greedy and seeded, cancelled, preempted, prefilled in
+    chunks): CUDA graphs, Triton kernels, pinned step buffers and the overlapped engine; float32, so batch
+    composition cannot flip a greedy choice. With piecewise graphs on and off, token for token the same."""
+    piecewise, paths = _streams(gpu_servers, gpu_steps, "small-streams", [])
+    assert paths == {"full_graph", "piecewise_graph"}  # every step within 64 tokens: nothing left to Python
+    without, paths = _streams(gpu_servers, gpu_steps, "small-streams-no-piecewise", [0])
+    assert paths == {"full_graph", "compiled"}
+    assert piecewise == without
 
 
 def test_forward_times_of_overlapped_steps_follow_each_other_on_the_wall_clock(gpu_servers, gpu_steps):

@@ -125,10 +125,10 @@ def test_a_server_without_a_cache_refuses_hub_ids(exec_stub):
 
 
 def test_the_compile_service_resolves_a_hub_id_to_the_same_key(hub_cache, compile_store, signer, tiny_key):
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
-    server = BackgroundServer(lambda: start_compile_server(compile_store, "127.0.0.1:0", signer=signer,
-                                                           hub=HubCache(hub_cache)))
+    settings = CompileServerSettings("127.0.0.1:0", compile_store, signer, hub=HubCache(hub_cache))
+    server = BackgroundServer(lambda: start_compile_server(settings))
     channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
     try:
         result = compile_result(compile_pb2_grpc.CompileServiceStub(channel),

@@ -139,7 +139,9 @@ def test_a_window_no_sequence_outgrows_frees_nothing():
     import json
 
     from exec_service.engine.engine_config import EngineConfig
-    from exec_service.engine.model_runner import ModelRunner
+    from exec_service.engine.kv_cache import KVCacheSpec
+    from exec_service.startup import kv_sizing
+    from exec_service.startup.weights import load_weights
     from kiln.model.spec import resolve
     from kiln.runtime_mode import RuntimeMode
 
@@ -148,11 +150,11 @@ def test_a_window_no_sequence_outgrows_frees_nothing():
         config = EngineConfig(device="cpu", runtime_mode=RuntimeMode.EAGER, max_model_len=max_model_len,
                               max_num_seqs=1, max_num_batched_tokens=8, block_size=BLOCK_SIZE,
                               gpu_memory_utilization=0.9, kv_cache_bytes=0, capture_sizes=(), max_num_waiting=1)
-        runner = ModelRunner(resolved, config)
-        runner.load_weights("dummy", 0)
-        assert runner.kv_window == expected
-        runner.allocate_kv_cache(10)
-        assert runner.num_blocks == (9 if expected else 10) and runner.kv_caches[0].shape[1] == 10
+        loaded = load_weights(resolved, config, "dummy", 0)
+        assert loaded.kv_window == expected
+        spec = KVCacheSpec.from_config(resolved.config, BLOCK_SIZE, resolved.dtype)
+        kv = kv_sizing.allocate(spec, 10, "cpu", loaded.kv_window)
+        assert kv.num_blocks == (9 if expected else 10) and kv.caches[0].shape[1] == 10
 
 
 # Through the real servers.

@@ -80,7 +80,7 @@ REFUSED = [
                                                       long_factor=[2.0] * 8, factor=4.0)),
      "rope_parameters", "'longrope'"),
     (dict(TINY, model_type="llama", quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}),
-     "quantization_config", "quantized"),
+     "quantization_config.quant_method", "'bitsandbytes'"),
     (dict(TINY, model_type="llama", head_dim=512), "head_dim", "CUDA"),
     (dict(TINY, model_type="mistral", sliding_window=0), "sliding_window", "at least 1"),
     (dict(TINY, model_type="qwen2", layer_types=["full_attention", "chunked_attention"]), "layer_types",
@@ -127,7 +127,8 @@ def test_honoured_configs_resolve():
 SERVED_REFUSALS = [
     (dict(TINY, model_type="llama", rope_scaling=dict(rope_type="dynamic", factor=2.0)),
      "model config rope_parameters="),
-    (dict(TINY, model_type="llama", quantization_config={"quant_method": "fp8"}), "model config quantization_config="),
+    (dict(TINY, model_type="llama", quantization_config={"quant_method": "awq"}),
+     "model config quantization_config.quant_method='awq'"),
     (dict(TINY, model_type="gemma2", head_dim=16, use_bidirectional_attention=True),
      "model config use_bidirectional_attention=True"),
     (dict(TINY, model_type="gemma3_text", head_dim=16, attn_logit_softcapping=50.0),

@@ -379,11 +379,11 @@ def test_metrics_count_what_was_sent(client, gateway, replicas, tokenizer):
 
 
 def test_compile_service_metrics(compile_store, signer, tiny_key):
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
     registry = CollectorRegistry()
-    server = BackgroundServer(lambda: start_compile_server(compile_store, "127.0.0.1:0", signer=signer,
-                                                           metrics=CompileMetrics(registry)))
+    settings = CompileServerSettings("127.0.0.1:0", compile_store, signer)
+    server = BackgroundServer(lambda: start_compile_server(settings, CompileMetrics(registry)))
     metrics = serve_metrics(registry, "127.0.0.1", 0)
     try:
         channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)

@@ -206,7 +206,8 @@ def test_init_tracing_exports_forward_spans_and_the_histogram(otlp_receiver):
         observer.request_started("r1", request.get_span_context())
         for i in range(6):
             observer(StepRecord(model="metric-model", batch_size=3, num_tokens=3, padded_size=4,
-                                runtime_mode="compiled", phase="decode", start_ns=1_000_000_000 + i * 10_000_000,
+                                runtime_mode="compiled", path="compiled", phase="decode",
+                                start_ns=1_000_000_000 + i * 10_000_000,
                                 end_ns=1_007_000_000 + i * 10_000_000, request_ids=("r1", "gone")))
         request.end()
         observer.request_ended("r1")  # at once: the writer may not have made the steps' spans yet
@@ -225,12 +226,14 @@ def test_init_tracing_exports_forward_spans_and_the_histogram(otlp_receiver):
         assert span.resource["service.name"] == "exec-renamed" and span.resource["kiln.model"] == "metric-model"
         assert span.end_ns - span.start_ns == 7_000_000
         assert span.attributes == {spans.MODEL: "metric-model", spans.BATCH_SIZE: 3, spans.NUM_TOKENS: 3,
-                                   spans.PADDED_SIZE: 4, spans.RUNTIME_MODE: "compiled", spans.PHASE: "decode"}
+                                   spans.PADDED_SIZE: 4, spans.RUNTIME_MODE: "compiled", spans.PHASE: "decode",
+                                   spans.PATH: "compiled"}
         assert (span.trace_id, span.parent_span_id) == (out["trace_id"], out["span_id"])
         assert span.links == [(out["trace_id"], out["span_id"])]  # "gone" has no span
     points = [p for resource, p in otlp_receiver.histogram_points(FORWARD_DURATION)
               if resource["service.name"] == "exec-renamed"]
-    assert points[-1]["attributes"] == {spans.BATCH_SIZE: 3, spans.RUNTIME_MODE: "compiled"}
+    assert points[-1]["attributes"] == {spans.BATCH_SIZE: 3, spans.RUNTIME_MODE: "compiled", spans.PHASE: "decode",
+                                        spans.PATH: "compiled"}
     assert points[-1]["count"] == 6 and points[-1]["sum"] == pytest.approx(42.0)  # every step
     assert points[-1]["bounds"] == list(DURATION_BUCKETS_MS)
 
@@ -272,7 +275,7 @@ def steps(n: int, request_ids: list[str]) -> list[StepRecord]:
     """n steps as the engine records them, of increasing forward time (1, 2, ... ms), 10 ms apart."""
     base = time.time_ns()
     return [StepRecord(model="tiny-llama", batch_size=2, num_tokens=9, padded_size=16, runtime_mode="cudagraph",
-                       phase="mixed", start_ns=base + i * 10_000_000,
+                       path="piecewise_graph", phase="mixed", start_ns=base + i * 10_000_000,
                        end_ns=base + i * 10_000_000 + (i + 1) * 1_000_000, request_ids=tuple(request_ids))
             for i in range(n)]
 
@@ -292,7 +295,7 @@ def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
         assert (span.start_time, span.end_time) == (record.start_ns, record.end_ns)
         assert dict(span.attributes) == {
             spans.MODEL: "tiny-llama", spans.BATCH_SIZE: 2, spans.NUM_TOKENS: 9, spans.PADDED_SIZE: 16,
-            spans.RUNTIME_MODE: "cudagraph", spans.PHASE: "mixed"}
+            spans.RUNTIME_MODE: "cudagraph", spans.PHASE: "mixed", spans.PATH: "piecewise_graph"}
         assert [link.context for link in span.links] == [contexts["b"], contexts["a"]]
         assert span.parent.span_id == contexts["b"].span_id  # the oldest request it served
         assert span.context.trace_id == contexts["b"].trace_id
@@ -317,7 +320,8 @@ def test_unsampled_steps_get_the_histogram_but_no_span(sdk):
                  for m in sm.metrics if m.name == FORWARD_DURATION]
     (point,) = metric.data.data_points
     assert metric.unit == "ms" and point.count == 8
-    assert dict(point.attributes) == {spans.BATCH_SIZE: 2, spans.RUNTIME_MODE: "cudagraph"}
+    assert dict(point.attributes) == {spans.BATCH_SIZE: 2, spans.RUNTIME_MODE: "cudagraph", spans.PHASE: "mixed",
+                                      spans.PATH: "piecewise_graph"}
     assert point.sum == pytest.approx(sum(range(1, 9)))  # step i lasts i + 1 ms
 
 
@@ -348,12 +352,16 @@ def test_ratio_and_interval_from_the_environment(monkeypatch):
 # --- the periodic forward-time table ---
 
 def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
+    """The log line keeps vLLM's format, an entry per (batch size, phase) with its paths merged; the span has a row
+    per (batch size, phase, path)."""
     tracer, _, out, _ = sdk
     stats = ForwardStats()
     for ms in (6.0, 7.0, 6.5):
-        stats.record("tiny-llama", 1, ms, "cudagraph")
-    stats.record("tiny-llama", 32, 7.51, "cudagraph")
-    stats.record("other", 4, 3.0, "eager")
+        stats.record("tiny-llama", 1, ms, "cudagraph", "decode", "full_graph")
+    stats.record("tiny-llama", 1, 20.0, "cudagraph", "prefill", "piecewise_graph")
+    stats.record("tiny-llama", 1, 40.0, "cudagraph", "prefill", "compiled")
+    stats.record("tiny-llama", 32, 7.51, "cudagraph", "decode", "full_graph")
+    stats.record("other", 4, 3.0, "eager", "decode", "eager")
     report = BatchSizeLog(stats, interval_s=0.2, tracer=tracer)
     step = steps(1, [])[0]
 
@@ -362,12 +370,18 @@ def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
         assert not caplog.records and not out.get_finished_spans()
         time.sleep(0.25)
         report(step)
+    merged = stats.by_phase()
+    lines = {m: [s for s in merged if s.model == m] for m in ("other", "tiny-llama")}
+    assert [r.getMessage() for r in caplog.records] == [f"{m}: {stats_line(rows)}" for m, rows in lines.items()]
+    assert caplog.records[1].getMessage().endswith(
+        "Batchsize forward time stats (batchsize, count, median_time(ms)): [(1, 3, 6.50), (1, 2, 30.00), "
+        "(32, 1, 7.51)]")
+
     snapshot = stats.snapshot()
     by_model = {m: [s for s in snapshot if s.model == m] for m in ("other", "tiny-llama")}
-    assert [r.getMessage() for r in caplog.records] == [f"{m}: {stats_line(rows)}" for m, rows in by_model.items()]
-    assert caplog.records[1].getMessage().endswith(
-        "Batchsize forward time stats (batchsize, count, median_time(ms)): [(1, 3, 6.50), (32, 1, 7.51)]")
-
+    assert [(s.batch_size, s.phase, s.path) for s in by_model["tiny-llama"]] == [
+        (1, "decode", "full_graph"), (1, "prefill", "compiled"), (1, "prefill", "piecewise_graph"),
+        (32, "decode", "full_graph")]
     emitted = {s.attributes[spans.MODEL]: s for s in out.get_finished_spans()}
     assert set(emitted) == {"other", "tiny-llama"}
     for model, rows in by_model.items():
@@ -379,6 +393,8 @@ def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
         assert list(span.attributes[spans.STATS_P90_MS]) == [s.p90_ms for s in rows]
         assert list(span.attributes[spans.STATS_P99_MS]) == [s.p99_ms for s in rows]
         assert list(span.attributes[spans.STATS_RUNTIME_MODES]) == [s.runtime_mode for s in rows]
+        assert list(span.attributes[spans.STATS_PHASES]) == [s.phase for s in rows]
+        assert list(span.attributes[spans.STATS_PATHS]) == [s.path for s in rows]
         assert span.end_time - span.start_time >= 0.2e9  # it covers the interval it reports on
 
 

@@ -234,13 +234,20 @@ def test_forward_spans_link_to_the_requests_they_served(traced_run):
 
 
 def test_forward_stats_agree_with_the_forward_spans_and_the_histogram(traced_run, otlp_receiver):
+    """A series per batch size, phase and path: the decodes of 3 sequences are not averaged with their prefill. The
+    mode asked for (compiled) stays apart from the path each step took (compiled, on CPU)."""
     stats = traced_run["stats"]
     forward = [s for s in traced_run["trace"] if s.name == spans.FORWARD]
-    assert {s.batch_size: s.count for s in stats} == Counter(f.attributes[spans.BATCH_SIZE] for f in forward)
-    assert all(s.runtime_mode == "compiled" for s in stats)
+
+    def series(attributes) -> tuple:
+        return attributes[spans.BATCH_SIZE], attributes[spans.PHASE], attributes[spans.PATH]
+
+    assert {(s.batch_size, s.phase, s.path): s.count for s in stats} == Counter(series(f.attributes) for f in forward)
+    assert {s.phase for s in stats} >= {"prefill", "decode"}
+    assert all(s.runtime_mode == "compiled" and s.path == "compiled" for s in stats)
     for s in stats:
-        durations = sorted((f.end_ns - f.start_ns) / 1e6 for f in forward if f.attributes[spans.BATCH_SIZE] ==
-                           s.batch_size)
+        durations = sorted((f.end_ns - f.start_ns) / 1e6 for f in forward
+                           if series(f.attributes) == (s.batch_size, s.phase, s.path))
         assert s.median_ms == pytest.approx((durations[(len(durations) - 1) // 2] + durations[len(durations) // 2])
                                             / 2, abs=2e-3)
 
@@ -248,8 +255,8 @@ def test_forward_stats_agree_with_the_forward_spans_and_the_histogram(traced_run
         latest = {}
         for resource, point in receiver.histogram_points(FORWARD_DURATION):
             if resource["service.name"] == "kiln-exec" and resource["kiln.device"] == "cpu":
-                latest[point["attributes"][spans.BATCH_SIZE]] = point["count"]  # cumulative: the last one counts
-        return latest == {s.batch_size: s.count for s in stats} and latest
+                latest[series(point["attributes"])] = point["count"]  # cumulative: the last one counts
+        return latest == {(s.batch_size, s.phase, s.path): s.count for s in stats} and latest
 
     otlp_receiver.wait_for(histogram, timeout_s=15)
 

@@ -33,12 +33,12 @@ def material(tmp_path_factory):
 @pytest.fixture(scope="module")
 def secure_compile(material, compile_store, signer, tiny_key):
     """A compile service with TLS and tokens on the session's store (so the tiny model is a hit there)."""
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
     tls, table, _, _ = material
     security = ServerSecurity(ServerTls.load(tls.server_cert, tls.server_key), TokenTable.load(table))
-    server = BackgroundServer(lambda: start_compile_server(compile_store, "127.0.0.1:0", signer=signer,
-                                                           security=security))
+    server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", compile_store, signer, security=security)))
     yield server
     server.stop()
 
@@ -248,7 +248,7 @@ def test_a_long_name_is_quoted_cut_and_the_real_error_survives(compile_stub, exe
 @pytest.fixture(scope="module")
 def rooted(tmp_path_factory, signer, compile_store, tiny_key):
     """A compile service on loopback with one --model-root, and a directory outside it."""
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
     base = tmp_path_factory.mktemp("roots")
     root, outside = base / "models", base / "elsewhere"
@@ -258,8 +258,8 @@ def rooted(tmp_path_factory, signer, compile_store, tiny_key):
     (root / "escape").symlink_to(outside / "secret")
     (root / "sneaky").mkdir()
     (root / "sneaky" / "config.json").symlink_to(outside / "secret" / "config.json")
-    server = BackgroundServer(lambda: start_compile_server(compile_store, "127.0.0.1:0", signer=signer,
-                                                           model_roots=[root]))
+    server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", compile_store, signer, model_roots=(root,))))
     channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
     yield compile_pb2_grpc.CompileServiceStub(channel), root, outside
     channel.close()

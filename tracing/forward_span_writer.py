@@ -52,7 +52,8 @@ class ForwardSpanWriter:
 
     def write(self, step: StepRecord, served: list[SpanContext] | None) -> None:
         self._duration.record(step.forward_ms,
-                              {spans.BATCH_SIZE: step.batch_size, spans.RUNTIME_MODE: step.runtime_mode})
+                              {spans.BATCH_SIZE: step.batch_size, spans.PHASE: step.phase, spans.PATH: step.path,
+                               spans.RUNTIME_MODE: step.runtime_mode})
         if served is None:
             return
         parent = trace.set_span_in_context(trace.NonRecordingSpan(served[0])) if served else context.Context()
@@ -61,6 +62,7 @@ class ForwardSpanWriter:
             attributes={
                 spans.MODEL: step.model, spans.BATCH_SIZE: step.batch_size, spans.NUM_TOKENS: step.num_tokens,
                 spans.PADDED_SIZE: step.padded_size, spans.RUNTIME_MODE: step.runtime_mode, spans.PHASE: step.phase,
+                spans.PATH: step.path,
             })
         span.end(end_time=step.end_ns)
 

@@ -3,13 +3,15 @@
 import re
 
 from exec_service.api.runtime_modes import runtime_mode_from_proto
-from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES, EngineConfig
+from exec_service.engine.kv_cache import KV_CACHE_DTYPES
 from exec_service.startup.load_model import LoadTarget
-from kiln.compilation.config import CompileConfig
+from kiln.compilation.config import MIN_COMPILED_TOKENS, CompileConfig
 from kiln.errors import InvalidArgument
 from kiln.model.hub import is_hub_id
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
+from kiln.quantization.model_quantization import fp8_unsupported
 from kiln.runtime_mode import RuntimeMode
 from protos import exec_pb2
 
@@ -20,6 +22,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 64 << 20
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_WAITING = 256
 MAX_BLOCK_SIZE = 256
+MAX_PIECEWISE_CAPTURE_SIZES = 64
+MAX_KV_CACHE_SCALE = 1000.0
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -34,11 +38,14 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
         weights = str(roots.check_dir(weights, "weights"))
     return LoadTarget(
         name=model_name(request, resolved), spec=request.model, resolved=resolved, compile_config=compile_config,
-        key=request.key.digest or None, engine_config=engine_config(request, resolved, compile_config.device),
+        key=request.key.digest or None, engine_config=engine_config(request, resolved, compile_config),
         weights=weights, weights_seed=request.weights_seed)
 
 
-def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, device: str) -> EngineConfig:
+def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
+                  compile_config: CompileConfig) -> EngineConfig:
+    """Complete: every default filled in, the step budget checked against the compiled range it will run in."""
+    device = compile_config.device
     mode = runtime_mode_from_proto(request.runtime_mode, device)
     if mode == RuntimeMode.CUDAGRAPH and device != "cuda":
         raise InvalidArgument("runtime_mode: cudagraph needs CUDA; this model runs on cpu")
@@ -50,8 +57,11 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
     max_num_seqs = request.max_num_seqs or DEFAULT_MAX_NUM_SEQS
     if max_num_seqs < 1:
         raise InvalidArgument(f"max_num_seqs: {max_num_seqs} must be positive")
-    if request.max_num_batched_tokens < 0:
-        raise InvalidArgument(f"max_num_batched_tokens: {request.max_num_batched_tokens} must be positive")
+    compiled = compile_config.max_compiled_tokens
+    max_num_batched_tokens = request.max_num_batched_tokens or compiled
+    if not MIN_COMPILED_TOKENS <= max_num_batched_tokens <= compiled:
+        raise InvalidArgument(f"max_num_batched_tokens: {max_num_batched_tokens} is outside [{MIN_COMPILED_TOKENS}, "
+                              f"{compiled}] (the compiled token range, config.max_compiled_tokens)")
     utilization = request.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     if not 0 < utilization <= 1:
         raise InvalidArgument(f"gpu_memory_utilization: {utilization} is outside (0, 1]")
@@ -63,19 +73,73 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, d
         raise InvalidArgument(f"block_size: {block_size} is not a power of two in [1, {MAX_BLOCK_SIZE}]")
     if request.capture_sizes and mode != RuntimeMode.CUDAGRAPH:
         raise InvalidArgument(f"capture_sizes: given, but runtime_mode is {mode}")
+    largest_batch = min(max_num_seqs, max_num_batched_tokens)  # a decode step holds one token per sequence
     for size in request.capture_sizes:
-        if not 1 <= size <= max_num_seqs:
-            raise InvalidArgument(f"capture_sizes: {size} is outside [1, max_num_seqs={max_num_seqs}]")
-    capture_sizes = tuple(sorted(set(request.capture_sizes))) if mode == RuntimeMode.CUDAGRAPH else ()
+        if not 1 <= size <= largest_batch:
+            raise InvalidArgument(f"capture_sizes: {size} is outside [1, {largest_batch}] (max_num_seqs "
+                                  f"{max_num_seqs}, max_num_batched_tokens {max_num_batched_tokens})")
+    capture_sizes = ()
+    if mode == RuntimeMode.CUDAGRAPH:
+        capture_sizes = tuple(sorted(set(request.capture_sizes))) or default_capture_sizes(largest_batch)
+    piecewise = piecewise_capture_sizes(request, mode, max_num_batched_tokens)
     max_num_waiting = request.max_num_waiting or DEFAULT_MAX_NUM_WAITING
     if max_num_waiting < 1:
         raise InvalidArgument(f"max_num_waiting: {max_num_waiting} must be positive")
+    kv_cache_dtype, kv_cache_scale = _kv_cache_dtype(request, device)
     return EngineConfig(device=device, runtime_mode=mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=request.max_num_batched_tokens, block_size=block_size,
+                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
                         capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
+                        kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
+                        quantization=compile_config.quantization,
                         enable_prefix_caching=not request.HasField("enable_prefix_caching")
-                        or request.enable_prefix_caching)
+                        or request.enable_prefix_caching, piecewise_capture_sizes=piecewise)
+
+
+def default_capture_sizes(largest_batch: int) -> tuple[int, ...]:
+    """[1, 2, 4] and the multiples of 8, up to the largest decode batch."""
+    return tuple(s for s in (1, 2, 4, *range(8, largest_batch + 1, 8)) if s <= largest_batch)
+
+
+def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMode,
+                            max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The token counts with piecewise graphs: the defaults up to the step budget in cudagraph mode, () when off."""
+    sizes = list(request.piecewise_capture_sizes)
+    if not sizes:
+        if mode != RuntimeMode.CUDAGRAPH:
+            return ()
+        return tuple(s for s in DEFAULT_PIECEWISE_CAPTURE_SIZES if s <= max_num_batched_tokens)
+    if sizes == [0]:
+        return ()
+    if len(sizes) > MAX_PIECEWISE_CAPTURE_SIZES:
+        raise InvalidArgument(f"piecewise_capture_sizes: {len(sizes)} sizes, at most {MAX_PIECEWISE_CAPTURE_SIZES}")
+    for size in sizes:
+        if size < 1:
+            raise InvalidArgument(f"piecewise_capture_sizes: {size} is not a positive token count ([0] alone turns "
+                                  f"piecewise graphs off)")
+    if max(sizes) > max_num_batched_tokens:
+        raise InvalidArgument(f"piecewise_capture_sizes: {max(sizes)} exceeds max_num_batched_tokens "
+                              f"{max_num_batched_tokens}")
+    if mode != RuntimeMode.CUDAGRAPH:
+        raise InvalidArgument(f"piecewise_capture_sizes: given, but runtime_mode is {mode}")
+    return tuple(sorted(set(sizes)))
+
+
+def _kv_cache_dtype(request: exec_pb2.LoadModelRequest, device: str) -> tuple[str, float]:
+    name = request.kv_cache_dtype
+    if name and name not in KV_CACHE_DTYPES:
+        raise InvalidArgument(f"kv_cache_dtype: {name!r} is not one of {', '.join(map(repr, KV_CACHE_DTYPES))} "
+                              f"(empty: the model's dtype)")
+    scale = request.kv_cache_scale or 1.0
+    if not 0 < scale <= MAX_KV_CACHE_SCALE:  # also refuses NaN
+        raise InvalidArgument(f"kv_cache_scale: {request.kv_cache_scale} is outside (0, {MAX_KV_CACHE_SCALE:g}]")
+    if request.kv_cache_scale and not name:
+        raise InvalidArgument("kv_cache_scale: given, but kv_cache_dtype is the model's dtype (set fp8_e4m3)")
+    if name and device == "cuda":  # the CPU reference casts with torch, which every CPU build does
+        why = fp8_unsupported(device)
+        if why:
+            raise InvalidArgument(f"kv_cache_dtype: {name!r} asked for, but {why}")
+    return name, scale
 
 
 def model_name(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel) -> str:

@@ -22,7 +22,9 @@ def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:
         kv_cache_bytes=s.kv_cache_bytes, weights_bytes=s.weights_bytes, activation_peak_bytes=s.activation_peak_bytes,
         cudagraph_bytes=s.cudagraph_bytes, total_memory_bytes=s.total_memory_bytes, capture_sizes=s.capture_sizes,
         runtime_mode=s.runtime_mode.value, device=s.device, vocab_size=s.vocab_size, kv_window=s.kv_window,
-        dtype=s.dtype, prefix_caching=s.prefix_caching,
+        dtype=s.dtype, kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization,
+        prefix_caching=s.prefix_caching, piecewise_capture_sizes=s.piecewise_capture_sizes,
+        piecewise_graph_bytes=s.piecewise_graph_bytes,
         timings=[common_pb2.PhaseTiming(phase=phase, seconds=seconds) for phase, seconds in s.timings])
 
 
@@ -52,5 +54,6 @@ def generate_response(token_ids: list[int], text: str, finish_reason: FinishReas
 def forward_stats_response(stats: list[BatchSizeStat]) -> exec_pb2.GetForwardStatsResponse:
     return exec_pb2.GetForwardStatsResponse(stats=[
         exec_pb2.BatchSizeStats(model=s.model, batch_size=s.batch_size, count=s.count, median_ms=s.median_ms,
-                                p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode, total_ms=s.total_ms)
+                                p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode, total_ms=s.total_ms,
+                                phase=s.phase, path=s.path)
         for s in stats])

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import random
 import threading
+from dataclasses import dataclass
 
 from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_config import EngineConfig
@@ -25,10 +26,34 @@ from exec_service.engine.request_stream import RequestOutput, RequestStream, del
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import FinishReason, Sequence
 from kiln.errors import Internal, KilnError, ResourceExhausted, Unavailable, first_line, resource_error
-from kiln.runtime_mode import RuntimeMode
 from kiln.step_record import StepObserver, StepRecord
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """Inbox message: a request's sequences to schedule (one, or n of one prompt), and where their tokens go."""
+
+    seqs: list[Sequence]
+    stream: RequestStream
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Inbox message: a request to abort, every sequence of it, before the next step."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class EndSequence:
+    """Inbox message: one sequence to finish with STOP before the next step (a stop string matched its text)."""
+
+    seq: Sequence
+
+
+InboxMessage = NewRequest | Cancel | EndSequence
 
 
 class Engine:
@@ -44,8 +69,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._seeds = random.Random()  # noise seeds for requests that bring none
         self._streams: dict[Sequence, RequestStream] = {}
-        # New requests (their sequences), request ids to abort, or sequences to end (a stop string matched).
-        self._inbox: list[tuple[list[Sequence], RequestStream] | str | Sequence] = []
+        self._inbox: list[InboxMessage] = []
         self._held: dict[Sequence, list[Sequence]] = {}  # a request's first sequence -> the others, until its token
         self._num_held = 0  # read on the event loop (num_waiting), so not summed over _held there
         self._wakeup = threading.Condition()
@@ -62,8 +86,9 @@ class Engine:
             self._wakeup.notify()
         self._thread.join()
         gone = error or Unavailable(f"model: {self.name!r} was unloaded")
-        for _, stream in [i for i in self._inbox if isinstance(i, tuple)]:
-            stream.put(RequestOutput(error=gone))
+        for message in self._inbox:
+            if isinstance(message, NewRequest):
+                message.stream.put(RequestOutput(error=gone))
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._end(seq, RequestOutput(error=gone))
 
@@ -93,7 +118,7 @@ class Engine:
                 raise ResourceExhausted(f"model: {self.name!r} has {self.num_waiting} of its max_num_waiting "
                                         f"{self.config.max_num_waiting} sequences waiting, no room for {len(seqs)} "
                                         f"more; retry later")
-            self._inbox.append((seqs, stream))
+            self._inbox.append(NewRequest(seqs, stream))
             self._wakeup.notify()
         return stream
 
@@ -101,18 +126,18 @@ class Engine:
         """Cancel a request, every sequence of it: their blocks are freed before the next step. A no-op when it
         already finished."""
         with self._wakeup:
-            self._inbox.append(request_id)
+            self._inbox.append(Cancel(request_id))
             self._wakeup.notify()
 
     def end_sequence(self, seq: Sequence) -> None:
         """Finish one sequence with STOP before the next step (a stop string matched its text): no more tokens."""
         with self._wakeup:
-            self._inbox.append(seq)
+            self._inbox.append(EndSequence(seq))
             self._wakeup.notify()
 
     @property
     def num_waiting(self) -> int:
-        inbox = sum(len(i[0]) for i in self._inbox if isinstance(i, tuple))
+        inbox = sum(len(m.seqs) for m in self._inbox if isinstance(m, NewRequest))
         return len(self.scheduler.waiting) + inbox + self._num_held
 
     @property
@@ -138,13 +163,14 @@ class Engine:
                 if self._stopping:
                     break
                 inbox, self._inbox = self._inbox, []
-            for item in inbox:
-                if isinstance(item, str):
-                    self._abort(item)
-                elif isinstance(item, Sequence):
-                    self._end_sequence(item)
-                else:
-                    self._admit(*item)
+            for message in inbox:
+                match message:
+                    case NewRequest(seqs, stream):
+                        self._admit(seqs, stream)
+                    case Cancel(request_id):
+                        self._abort(request_id)
+                    case EndSequence(seq):
+                        self._end_sequence(seq)
             batch = self.scheduler.schedule()
             launched, failure = None, None
             if batch.entries:
@@ -202,7 +228,7 @@ class Engine:
             return
         # Observed before any request hears of its tokens: a request's span is still live when its last step's
         # forward span links to it.
-        self._observe(step.batch, step.runtime_mode, step.padded_size, step.timer.start_ns, step.timer.elapsed_ms())
+        self._observe(step, step.timer.start_ns, step.timer.elapsed_ms())
         outputs = []
         for entry, token_id in self.scheduler.postprocess(step.batch, token_ids):
             seq = entry.seq
@@ -239,13 +265,13 @@ class Engine:
         if stream is not None:
             stream.put(output)
 
-    def _observe(self, batch: ScheduledBatch, runtime_mode: RuntimeMode, padded_size: int, start_ns: int,
-                 forward_ms: float) -> None:
+    def _observe(self, step: LaunchedStep, start_ns: int, forward_ms: float) -> None:
         if not self.step_observers:
             return
+        batch = step.batch
         record = StepRecord(
-            model=self.name, batch_size=batch.num_seqs, num_tokens=batch.num_tokens, padded_size=padded_size,
-            runtime_mode=runtime_mode.value, phase=batch.phase, start_ns=start_ns,
+            model=self.name, batch_size=batch.num_seqs, num_tokens=batch.num_tokens, padded_size=step.padded_size,
+            runtime_mode=self.config.runtime_mode.value, path=step.path.value, phase=batch.phase, start_ns=start_ns,
             end_ns=start_ns + int(forward_ms * 1e6), request_ids=tuple(e.seq.request_id for e in batch.entries))
         for observer in self.step_observers:
             try:

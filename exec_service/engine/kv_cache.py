@@ -1,12 +1,21 @@
 """The paged KV cache's layout: bytes per block, and the per-layer tensors the attention op reads and writes.
 
-How many blocks fit is decided at startup (exec_service.startup.kv_sizing).
+How many blocks fit is decided at startup (exec_service.startup.kv_sizing). An FP8 cache (``kv_cache_dtype``
+fp8_e4m3) takes one byte an element, so twice the blocks of bfloat16 fit; each layer has a scale per kv head for its
+keys and for its values, that the attention op divides by on write and multiplies by on read (docs/fp8.md).
 """
 
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
+
+# kv_cache_dtype -> what the cache stores; empty is the model's dtype. "fp8" is vLLM's name for the same.
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return KV_CACHE_DTYPES[kv_cache_dtype] if kv_cache_dtype else model_dtype
 
 
 @dataclass(frozen=True)
@@ -35,3 +44,12 @@ def allocate(spec: KVCacheSpec, blocks: int, device: str) -> list[torch.Tensor]:
     """Per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``: the layout Kiln's attention op reads."""
     shape = (2, blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def allocate_scales(spec: KVCacheSpec, scale: float, device: str) -> list[torch.Tensor] | None:
+    """Per layer of an FP8 cache ``[2, num_kv_heads]`` float32 (keys', values'), every head ``scale``; None for a
+    cache in the model's dtype. Per-head values may differ: the attention op reads one per kv head."""
+    if spec.dtype != torch.float8_e4m3fn:
+        return None
+    return [torch.full((2, spec.num_kv_heads), scale, dtype=torch.float32, device=device)
+            for _ in range(spec.num_layers)]

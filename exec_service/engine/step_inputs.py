@@ -7,17 +7,23 @@ step N's forward. A step's inputs travel to the device in three copies, one per 
 
 A decode whose input token is the previous step's sample (still on the device, or in flight) gets it there: the host
 writes a placeholder and the row it comes from, and one gather on the device puts it in place before the forward.
+
+A step is prepared in three jobs: ``flatten`` (the batch as host lists), ``pad_seqs`` / ``pad_tokens`` (the rows a
+CUDA graph's size adds), and ``StepBuffers.upload`` (host set, copies, device views for the forward and the sampler).
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.sampler import SamplingTensors
 from exec_service.engine.scheduler import ScheduledBatch
 from exec_service.engine.sequence import Sequence
 from kiln.attention.forward_context import AttentionMetadata
+
+ALIGN_BYTES = 16  # where each section of the packed step buffers starts (_Packed)
 
 
 @dataclass
@@ -33,15 +39,107 @@ class StepInputs:
         return self.input_ids.shape[0]
 
 
+@dataclass
+class HostStep:
+    """One step flattened on the host: a row per token, a row per sequence, a row per sampled sequence."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[int] = field(default_factory=list)  # the sequences' block tables, each ``width`` wide
+    width: int = 0
+    from_rows: list[int] = field(default_factory=list)  # decodes whose input is the previous step's sample:
+    into_tokens: list[int] = field(default_factory=list)  # its row there, and the token row it fills here
+    sample_rows: list[int] = field(default_factory=list)
+    temperature: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    sample_positions: list[int] = field(default_factory=list)
+    num_seqs: int = 0  # real sequences (rows past them are padding)
+    num_tokens: int = 0  # real tokens
+    max_query_len: int = 0
+    num_decodes: int = 0
+
+
+def flatten(batch: ScheduledBatch, block_size: int, vocab_size: int,
+            previous_rows: Mapping[Sequence, int] | None = None) -> HostStep:
+    """The batch's tokens, slots, sequences and sampling rows as host lists; ``previous_rows``: each sequence's row
+    in the previous step's samples, for the decodes whose input token that step sampled."""
+    step = HostStep(width=max(len(e.seq.block_table) for e in batch.entries))
+    ids, positions, slots = step.ids, step.positions, step.slots
+    for entry in batch.entries:
+        seq, start, end = entry.seq, entry.start, entry.end
+        table = seq.block_table
+        known = seq.num_tokens
+        if end <= known:
+            ids += seq.token_ids[start:end]
+        else:  # a decode of the token the previous step sampled: a placeholder, filled in on the device
+            ids += seq.token_ids[start:known]
+            ids.append(0)
+            step.from_rows.append(previous_rows[seq])
+            step.into_tokens.append(len(ids) - 1)
+        if entry.num_new_tokens == 1:
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            span = range(start, end)
+            positions += span
+            slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        step.query_start_loc.append(len(ids))
+        step.seq_lens.append(end)
+        step.tables += table
+        step.tables += [0] * (step.width - len(table))
+        if entry.samples:
+            params = seq.params
+            step.sample_rows.append(len(ids) - 1)
+            step.temperature.append(params.temperature)
+            step.top_k.append(params.top_k or vocab_size)
+            step.top_p.append(params.top_p)
+            step.seeds.append(seq.noise_seed)
+            step.sample_positions.append(end)
+    step.num_seqs, step.num_tokens = len(batch.entries), len(ids)
+    step.max_query_len = max(e.num_new_tokens for e in batch.entries)
+    step.num_decodes = next((i for i, e in enumerate(batch.entries) if e.num_new_tokens > 1), step.num_seqs)
+    return step
+
+
+def pad_seqs(step: HostStep, num_seqs: int) -> None:
+    """Decode rows up to a full graph's ``num_seqs``: a token each, no KV write (slot -1), an empty context."""
+    pad = num_seqs - step.num_seqs
+    if pad <= 0:
+        return
+    _pad_token_rows(step, pad)
+    step.query_start_loc += range(step.num_tokens + 1, step.num_tokens + pad + 1)
+    step.seq_lens += [0] * pad
+
+
+def pad_tokens(step: HostStep, num_tokens: int) -> None:
+    """Token rows up to a piecewise graph's ``num_tokens``: in no sequence, so they write no KV and read none."""
+    _pad_token_rows(step, num_tokens - step.num_tokens)
+
+
+def _pad_token_rows(step: HostStep, pad: int) -> None:
+    step.ids += [0] * pad
+    step.positions += [0] * pad
+    step.slots += [-1] * pad
+
+
 class _Packed:
-    """Named sections of one flat buffer of one dtype: two pinned host copies and one device copy."""
+    """Named sections of one flat buffer of one dtype: two pinned host copies and one device copy.
+
+    Each section starts 16 bytes aligned, as a tensor of its own would: Triton specialises a kernel on whether each
+    pointer argument is, so a view at another alignment than the warm-up's tensors built a kernel while serving."""
 
     def __init__(self, dtype: torch.dtype, sizes: dict[str, int], device: str):
         self.offsets: dict[str, tuple[int, int]] = {}
+        align = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
         total = 0
         for name, size in sizes.items():
             self.offsets[name] = (total, size)
-            total += size
+            total += -(-size // align) * align
         pin = device == "cuda"
         self.host = [torch.zeros(total, dtype=dtype, pin_memory=pin) for _ in range(2)]
         self.host_np = [h.numpy() for h in self.host]
@@ -88,99 +186,82 @@ class StepBuffers:
         self.query_start_loc.copy_(torch.arange(max_seqs + 1, dtype=torch.int32))
         self._steps = 0
 
+    @classmethod
+    def for_config(cls, config: EngineConfig, vocab_size: int) -> "StepBuffers":
+        return cls(config.max_num_batched_tokens, config.max_num_seqs, config.max_blocks_per_seq, config.block_size,
+                   vocab_size, config.device)
+
     def graph_metadata(self, size: int) -> AttentionMetadata:
         """The metadata a decode graph of ``size`` rows is captured with: views of the device buffers."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1, num_seqs=size)
 
+    def piecewise_capture_metadata(self, num_tokens: int) -> AttentionMetadata:
+        """What the eager attention between piece graphs runs on while they are captured at ``num_tokens``: one
+        prefill of that many tokens that writes no KV (slots -1) and reads block 0 (the block tables are zeros)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, -(-num_tokens // self.block_size), dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens, num_seqs=1)
+
     def prepare(self, batch: ScheduledBatch, padded_seqs: int | None = None,
                 previous_sampled: torch.Tensor | None = None,
-                previous_rows: Mapping[Sequence, int] | None = None) -> tuple[StepInputs, int]:
+                previous_rows: Mapping[Sequence, int] | None = None,
+                padded_tokens: int | None = None) -> tuple[StepInputs, int]:
         """Fill this step's host set, queue its copies and the gather of input tokens from ``previous_sampled``.
 
-        ``padded_seqs``: the CUDA-graph size to pad decode rows to. ``previous_rows``: each sequence's row in
-        ``previous_sampled``, for the decodes whose input token was sampled by the previous step. Returns the
-        inputs and the parity of the host set used (the sampled ids come back into ``sampled_host[parity]``).
+        ``padded_seqs``: the full CUDA graph's size to pad decode rows to; ``padded_tokens``: the piecewise graph's
+        size to pad tokens to. ``previous_rows``: each sequence's row in ``previous_sampled``. Returns the inputs
+        and the parity of the host set used (the sampled ids come back into ``sampled_host[parity]``).
         """
+        step = flatten(batch, self.block_size, self.vocab_size, previous_rows)
+        if padded_seqs is not None:
+            pad_seqs(step, padded_seqs)
+        if padded_tokens is not None:
+            pad_tokens(step, padded_tokens)
+        return self.upload(step, previous_sampled)
+
+    def upload(self, step: HostStep, previous_sampled: torch.Tensor | None = None) -> tuple[StepInputs, int]:
+        """Write ``step`` into the next host set, queue its copies to the device, and give the device views."""
         parity = self._steps % 2
         self._steps += 1
-        block_size = self.block_size
-        ids, positions, slots, query_start_loc, seq_lens, sample_rows = [], [], [], [0], [], []
-        from_rows, into_tokens, tables = [], [], []
-        temperature, top_k, top_p, seeds, sample_positions = [], [], [], [], []
-        width = max(len(e.seq.block_table) for e in batch.entries)
-        for entry in batch.entries:
-            seq, start, end = entry.seq, entry.start, entry.end
-            table = seq.block_table
-            known = seq.num_tokens
-            if end <= known:
-                ids += seq.token_ids[start:end]
-            else:  # a decode of the token the previous step sampled: a placeholder, filled in on the device
-                ids += seq.token_ids[start:known]
-                ids.append(0)
-                from_rows.append(previous_rows[seq])
-                into_tokens.append(len(ids) - 1)
-            if entry.num_new_tokens == 1:
-                positions.append(start)
-                slots.append(table[start // block_size] * block_size + start % block_size)
-            else:
-                span = range(start, end)
-                positions += span
-                slots += [table[p // block_size] * block_size + p % block_size for p in span]
-            query_start_loc.append(len(ids))
-            seq_lens.append(end)
-            tables += table
-            tables += [0] * (width - len(table))
-            if entry.samples:
-                params = seq.params
-                sample_rows.append(len(ids) - 1)
-                temperature.append(params.temperature)
-                top_k.append(params.top_k or self.vocab_size)
-                top_p.append(params.top_p)
-                seeds.append(seq.noise_seed)
-                sample_positions.append(end)
-        num_seqs, num_tokens = len(batch.entries), len(ids)
-        if padded_seqs is not None and padded_seqs > num_seqs:  # CUDA-graph rows: no KV write, empty context
-            pad = padded_seqs - num_seqs
-            ids += [0] * pad
-            positions += [0] * pad
-            slots += [-1] * pad
-            query_start_loc += range(num_tokens + 1, num_tokens + pad + 1)
-            seq_lens += [0] * pad
-        total_tokens, total_seqs = len(ids), len(seq_lens)
         long, floats, ints = self._long, self._float, self._int
-        for name, values in (("input_ids", ids), ("positions", positions), ("slot_mapping", slots),
-                             ("sample_rows", sample_rows), ("from_rows", from_rows), ("into_tokens", into_tokens),
-                             ("top_k", top_k), ("seeds", seeds), ("sample_positions", sample_positions)):
+        for name, values in (("input_ids", step.ids), ("positions", step.positions), ("slot_mapping", step.slots),
+                             ("sample_rows", step.sample_rows), ("from_rows", step.from_rows),
+                             ("into_tokens", step.into_tokens), ("top_k", step.top_k), ("seeds", step.seeds),
+                             ("sample_positions", step.sample_positions)):
             long.host_view(parity, name)[:len(values)] = values
-        floats.host_view(parity, "temperature")[:len(temperature)] = temperature
-        floats.host_view(parity, "top_p")[:len(top_p)] = top_p
-        ints.host_view(parity, "query_start_loc")[:total_seqs + 1] = query_start_loc
-        ints.host_view(parity, "seq_lens")[:total_seqs] = seq_lens
-        ints.host_view(parity, "block_table_rows")[:len(tables)] = tables
+        floats.host_view(parity, "temperature")[:len(step.temperature)] = step.temperature
+        floats.host_view(parity, "top_p")[:len(step.top_p)] = step.top_p
+        ints.host_view(parity, "query_start_loc")[:len(step.query_start_loc)] = step.query_start_loc
+        ints.host_view(parity, "seq_lens")[:len(step.seq_lens)] = step.seq_lens
+        ints.host_view(parity, "block_table_rows")[:len(step.tables)] = step.tables
         long.copy(parity)
         floats.copy(parity)
-        ints.copy(parity, ints.offsets["block_table_rows"][0] + len(tables))
-        self.block_tables[:num_seqs, :width].copy_(
-            ints.device_view("block_table_rows")[:len(tables)].view(num_seqs, width))
-        if from_rows:
-            count = len(from_rows)
+        ints.copy(parity, ints.offsets["block_table_rows"][0] + len(step.tables))
+        self.block_tables[:step.num_seqs, :step.width].copy_(
+            ints.device_view("block_table_rows")[:len(step.tables)].view(step.num_seqs, step.width))
+        if step.from_rows:
+            count = len(step.from_rows)
             into = long.device_view("into_tokens")[:count]
             self.input_ids.index_copy_(0, into, previous_sampled.index_select(0, long.device_view("from_rows")[:count]))
+        return self._inputs(step), parity
 
-        num_samples = len(sample_rows)
+    def _inputs(self, step: HostStep) -> StepInputs:
+        long, floats = self._long, self._float
+        total_tokens, total_seqs, num_samples = len(step.ids), len(step.seq_lens), len(step.sample_rows)
         sampling = SamplingTensors(
             temperature=floats.device_view("temperature")[:num_samples], top_k=long.device_view("top_k")[:num_samples],
             top_p=floats.device_view("top_p")[:num_samples], seeds=long.device_view("seeds")[:num_samples],
             positions=long.device_view("sample_positions")[:num_samples],
-            all_greedy=all(t == 0 for t in temperature),
-            any_top_k_top_p=any(k < self.vocab_size for k in top_k) or any(p < 1.0 for p in top_p))
+            all_greedy=all(t == 0 for t in step.temperature),
+            any_top_k_top_p=any(k < self.vocab_size for k in step.top_k) or any(p < 1.0 for p in step.top_p))
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:total_tokens], query_start_loc=self.query_start_loc[:total_seqs + 1],
             seq_lens=self.seq_lens[:total_seqs], block_tables=self.block_tables[:total_seqs],
-            max_query_len=max(e.num_new_tokens for e in batch.entries), num_seqs=num_seqs,
-            num_decodes=next((i for i, e in enumerate(batch.entries) if e.num_new_tokens > 1), num_seqs))
-        inputs = StepInputs(self.input_ids[:total_tokens], self.positions[:total_tokens], metadata,
-                            long.device_view("sample_rows")[:num_samples], sampling)
-        return inputs, parity
+            max_query_len=step.max_query_len, num_seqs=step.num_seqs, num_decodes=step.num_decodes)
+        return StepInputs(self.input_ids[:total_tokens], self.positions[:total_tokens], metadata,
+                          long.device_view("sample_rows")[:num_samples], sampling)

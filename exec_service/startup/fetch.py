@@ -90,9 +90,14 @@ class FetchedBundle:
     source: str
 
     @property
-    def max_num_batched_tokens(self) -> int:
+    def max_compiled_tokens(self) -> int:
         """Upper end of the compiled symbolic token range: no step may be larger."""
-        return self.factors["compile_config"]["max_num_batched_tokens"]
+        return self.factors["compile_config"]["max_compiled_tokens"]
+
+    @property
+    def compile_sizes(self) -> tuple[int, ...]:
+        """Token counts compiled statically besides the symbolic range: code of their own to warm up."""
+        return tuple(self.factors["compile_config"].get("compile_sizes", ()))
 
 
 class BundleFetcher:

@@ -1,7 +1,8 @@
 """How many KV blocks fit in the memory left after the model, from the eager profile's measured peak.
 
 On CUDA the budget is DESIGN.md's formula: ``total × gpu_memory_utilization − weights − activation peak −
-CUDA-graph reserve``, capped by ``kv_cache_bytes``. On CPU there is nothing to measure against: the budget is
+CUDA graphs``, capped by ``kv_cache_bytes``, where the graphs' bytes were measured as they were captured
+(exec_service.startup.graph_capture). On CPU there is nothing to measure against: the budget is
 ``kv_cache_bytes``, refused when the host has less memory free.
 """
 
@@ -10,16 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from exec_service.engine import kv_cache
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.kv_cache import KVCacheSpec
+from exec_service.engine.model_runner import KVCache
 from kiln.errors import ResourceExhausted
 from kiln.model.device_memory import available_bytes
-from kiln.runtime_mode import RuntimeMode
 
 log = logging.getLogger(__name__)
-
-# Device memory set aside for the CUDA-graph pool before capture, when the KV cache is sized.
-CUDAGRAPH_RESERVE_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -29,19 +28,20 @@ class MemoryBudget:
     total_bytes: int  # device memory (0 on CPU)
     weights_bytes: int
     activation_peak_bytes: int
-    cudagraph_reserve_bytes: int
+    cudagraph_bytes: int  # measured when the graphs were captured
     kv_cache_bytes: int
 
 
-def cuda_budget(utilization: float, weights_bytes: int, activation_peak_bytes: int, cudagraph_reserve_bytes: int,
+def cuda_budget(utilization: float, weights_bytes: int, activation_peak_bytes: int, cudagraph_bytes: int,
                 cap_bytes: int, device: torch.device) -> MemoryBudget:
     free, total = torch.cuda.mem_get_info(device)
-    # Memory other processes (and the CUDA context) hold is not ours to plan with.
+    # Memory other processes (and the CUDA context) hold is not ours to plan with; the graphs' pool is in what
+    # this process reserved, so it is subtracted as measured.
     others = total - free - torch.cuda.memory_reserved(device)
-    kv_bytes = int(total * utilization) - others - weights_bytes - activation_peak_bytes - cudagraph_reserve_bytes
+    kv_bytes = int(total * utilization) - others - weights_bytes - activation_peak_bytes - cudagraph_bytes
     if cap_bytes:
         kv_bytes = min(kv_bytes, cap_bytes)
-    return MemoryBudget(total, weights_bytes, activation_peak_bytes, cudagraph_reserve_bytes, max(kv_bytes, 0))
+    return MemoryBudget(total, weights_bytes, activation_peak_bytes, cudagraph_bytes, max(kv_bytes, 0))
 
 
 def cpu_budget(weights_bytes: int, cap_bytes: int) -> MemoryBudget:
@@ -57,8 +57,10 @@ def num_blocks(budget: MemoryBudget, spec: KVCacheSpec, max_model_len: int) -> i
     refused one by one), none at all is an error the user can fix."""
     blocks = budget.kv_cache_bytes // spec.block_bytes
     if blocks < 1:
+        graphs = (f" after {budget.cudagraph_bytes} bytes of CUDA graphs (lower piecewise_capture_sizes or "
+                  f"capture_sizes)" if budget.cudagraph_bytes else "")
         raise ResourceExhausted(
-            f"kv_cache_bytes: {budget.kv_cache_bytes} bytes left for the KV cache hold no block of "
+            f"kv_cache_bytes: {budget.kv_cache_bytes} bytes left for the KV cache{graphs} hold no block of "
             f"{spec.block_bytes} bytes; raise kv_cache_bytes or gpu_memory_utilization")
     if blocks * spec.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than max_model_len %d", blocks * spec.block_size,
@@ -66,9 +68,19 @@ def num_blocks(budget: MemoryBudget, spec: KVCacheSpec, max_model_len: int) -> i
     return blocks
 
 
-def memory_budget(config: EngineConfig, weights_bytes: int, activation_peak_bytes: int) -> MemoryBudget:
+def memory_budget(config: EngineConfig, weights_bytes: int, activation_peak_bytes: int,
+                  cudagraph_bytes: int = 0) -> MemoryBudget:
     if config.device == "cuda":
-        reserve = CUDAGRAPH_RESERVE_BYTES if config.runtime_mode == RuntimeMode.CUDAGRAPH else 0
-        return cuda_budget(config.gpu_memory_utilization, weights_bytes, activation_peak_bytes, reserve,
+        return cuda_budget(config.gpu_memory_utilization, weights_bytes, activation_peak_bytes, cudagraph_bytes,
                            config.kv_cache_bytes, torch.device("cuda"))
     return cpu_budget(weights_bytes, config.kv_cache_bytes)
+
+
+def allocate(spec: KVCacheSpec, blocks: int, device: str, kv_window: int, kv_cache_scale: float = 1.0) -> KVCache:
+    """A cache of ``blocks`` blocks; with a KV window its last one is the null block (BlockManager). An FP8 cache
+    gets its per-layer scales, every head ``kv_cache_scale``."""
+    caches = kv_cache.allocate(spec, blocks, device)
+    usable = blocks - 1 if kv_window else blocks
+    window = f", KV window {kv_window} tokens (+1 null block)" if kv_window else ""
+    log.info("# %s blocks: %d%s", "GPU" if device == "cuda" else "CPU", usable, window)
+    return KVCache(caches, usable, kv_window, kv_cache.allocate_scales(spec, kv_cache_scale, device))

@@ -14,15 +14,23 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from opentelemetry import trace
 
-from exec_service.engine import block_hash
+from exec_service.engine import block_hash, kv_cache
+from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine, StepObserver
-from exec_service.engine.model_runner import ModelRunner
+from exec_service.engine.model_forward import ModelForward
+from exec_service.engine.model_runner import KVCache, ModelRunner
+from exec_service.engine.piecewise_graphs import PiecewiseGraphs
+from exec_service.engine.step_inputs import StepBuffers
 from exec_service.startup import kv_sizing
+from exec_service.startup.compiled_function import load_compiled, warm_up_compiled, warm_up_paged_attention
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle, StepFn
+from exec_service.startup.graph_capture import capture_full, capture_piecewise, full_graph_bytes
 from exec_service.startup.memory_profile import profile_memory
+from exec_service.startup.weights import LoadedWeights, load_weights
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument, KilnError, quote, resource_error
 from kiln.model.spec import ResolvedModel
@@ -78,7 +86,7 @@ class ModelSizing:
     kv_cache_bytes: int
     weights_bytes: int
     activation_peak_bytes: int
-    cudagraph_bytes: int  # reserved for (CUDA) or taken by CUDA graphs
+    cudagraph_bytes: int  # measured as the CUDA graphs (full and piecewise) were captured
     total_memory_bytes: int  # 0 on CPU
     capture_sizes: tuple[int, ...]
     runtime_mode: RuntimeMode
@@ -88,6 +96,10 @@ class ModelSizing:
     kv_window: int  # tokens of KV a sequence keeps (every layer windowed), 0: all of them
     dtype: str  # what the model runs in: the request's, or the device's default
     prefix_caching: bool
+    piecewise_capture_sizes: tuple[int, ...] = ()  # token counts of the piecewise graphs (none: off)
+    piecewise_graph_bytes: int = 0  # of cudagraph_bytes, what the piecewise graphs and their inputs hold
+    kv_cache_dtype: str = ""  # what the KV cache stores (the model's dtype, or float8_e4m3fn)
+    quantization: str = ""  # "fp8" when the decoder's linears are FP8
 
 
 @dataclass
@@ -165,9 +177,10 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
                                     lambda detail: phases.progress("fetch", detail), deadline, phases.step)
             event.detail = f"{fetched.source}, key {fetched.key}"
             span.set_attributes({spans.CACHE_KEY: fetched.key, spans.SOURCE: fetched.source})
-    compiled_range = fetched.max_num_batched_tokens if fetched else target.compile_config.max_num_batched_tokens
-    config = config.within_token_range(compiled_range)
-    runner = ModelRunner(target.resolved, config)
+    if fetched is not None and config.max_num_batched_tokens > fetched.max_compiled_tokens:
+        raise InvalidArgument(f"max_num_batched_tokens: {config.max_num_batched_tokens} exceeds bundle "
+                              f"{fetched.key[:12]}'s compiled token range [1, {fetched.max_compiled_tokens}]")
+    cudagraph = config.runtime_mode == RuntimeMode.CUDAGRAPH
 
     # One model at a time from here to the engine, per process: the memory profile measures the device's peak,
     # which a concurrent load would inflate. Fetches (a compile on the compile service, a download) still overlap,
@@ -175,74 +188,80 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
     with _DEVICE_PHASES:
         with phases.phase(spans.LOAD_WEIGHTS) as (event, span):
             with phases.step(spans.BUILD_MODEL):
-                runner.load_weights(target.weights, target.weights_seed)
+                loaded = load_weights(target.resolved, config, target.weights, target.weights_seed)
             tokenizer = _load_tokenizer(target, phases.step)
-            event.detail = f"{runner.weights_bytes / 1e6:.1f} MB from {target.weights}"
-            span.set_attributes({spans.BYTES: runner.weights_bytes, spans.WEIGHTS: target.weights})
+            event.detail = f"{loaded.weights_bytes / 1e6:.1f} MB from {target.weights}"
+            span.set_attributes({spans.BYTES: loaded.weights_bytes, spans.WEIGHTS: target.weights})
 
+        kv_spec = kv_cache.KVCacheSpec.from_config(target.resolved.config, config.block_size,
+                                                   kv_cache.cache_dtype(config.kv_cache_dtype, target.resolved.dtype))
         with phases.phase(spans.PROFILE_MEMORY) as (event, span):
             with phases.step(spans.PROFILE_FORWARD):
-                activation_peak = profile_memory(runner.token_model, config)
-            with phases.step(spans.KV_CACHE):
-                budget = kv_sizing.memory_budget(config, runner.weights_bytes, activation_peak)
-                kv_spec = runner.kv_cache_spec
-                runner.allocate_kv_cache(kv_sizing.num_blocks(budget, kv_spec, config.max_model_len))
-            event.detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {runner.num_blocks}"
-            if runner.kv_window:
-                event.detail += f" (KV window {runner.kv_window} tokens: older blocks are freed as sequences run)"
-            span.set_attributes({spans.ACTIVATION_PEAK_BYTES: activation_peak, spans.NUM_KV_BLOCKS: runner.num_blocks,
-                                 spans.KV_CACHE_BYTES: runner.kv_cache_bytes})
+                activation_peak = profile_memory(loaded.token_model, config)
+            kv = None
+            if not cudagraph:  # with CUDA graphs, the cache is sized once they are captured and measured
+                with phases.step(spans.KV_CACHE):
+                    budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak)
+                    kv = _allocate_kv(budget, kv_spec, config, loaded.kv_window)
+                event.detail = _blocks_detail(kv, config)
+                span.set_attributes({spans.NUM_KV_BLOCKS: kv.num_blocks, spans.KV_CACHE_BYTES: kv.bytes})
+            span.set_attribute(spans.ACTIVATION_PEAK_BYTES, activation_peak)
 
+        buffers = StepBuffers.for_config(config, target.resolved.config.vocab_size)
+        # A few blocks for the warm-ups and the piece graphs' eager attention before the real cache exists.
+        scratch_kv = kv.caches if kv else kv_cache.allocate(kv_spec, -(-3 // config.block_size), config.device)
+        scratch_scales = kv.scales if kv else kv_cache.allocate_scales(kv_spec, config.kv_cache_scale, config.device)
+        forward = ModelForward(loaded.token_model)
         with phases.phase(spans.LOAD_COMPILED) as (event, span):
             if fetched is None:
                 event.detail = "eager: the uncompiled model serves"
             else:
                 with phases.step(spans.UNPICKLE):
-                    runner.load_compiled(fetched.path, fetched.key, fetcher.trusted)
+                    forward = ModelForward(loaded.token_model,
+                                           load_compiled(fetched.path, fetched.key, fetcher.trusted))
                 with phases.step(spans.WARM_UP):
-                    runner.warm_up_compiled()
+                    warm_up_compiled(forward, config, fetched.compile_sizes)
                 with phases.step(spans.WARM_UP_ATTENTION):
-                    runner.warm_up_paged_attention()
+                    warm_up_paged_attention(forward, scratch_kv, config.block_size, config.device, scratch_scales)
                 event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
                 span.set_attribute(spans.CACHE_KEY, fetched.key)
 
-        cudagraph_bytes = budget.cudagraph_reserve_bytes
+        full_graphs = piecewise_graphs = None
+        cudagraph_bytes = 0
         with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
-            if config.runtime_mode == RuntimeMode.CUDAGRAPH:
-                def captured(size: int, done: int) -> None:
-                    total = len(config.capture_sizes)
-                    phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured batch size {size} ({done}/{total})")
-                    span.add_event("captured", {spans.BATCH_SIZE: size})
-
-                seconds = runner.capture_cudagraphs(captured)
-                cudagraph_bytes = runner.cudagraphs.captured_bytes
-                event.detail = (f"Graph capturing finished in {seconds:.0f} secs, took "
-                                f"{cudagraph_bytes / (1 << 30):.2f} GiB")
-                span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes), spans.CAPTURE_SECONDS: seconds,
-                                     spans.BYTES: cudagraph_bytes})
+            if cudagraph:
+                full_graphs, piecewise_graphs, kv, cudagraph_bytes = _capture(
+                    phases, span, forward, config, target, buffers, (scratch_kv, scratch_scales), loaded,
+                    activation_peak, kv_spec)
+                del scratch_kv, scratch_scales
+                event.detail = _blocks_detail(kv, config) + "; " + _graphs_detail(full_graphs, piecewise_graphs)
             else:
                 event.detail = f"skipped: runtime mode {config.runtime_mode}"
 
-    prefix_root = block_hash.model_root(_model_identity(target, config, runner, fetched)) \
+    prefix_root = block_hash.model_root(_model_identity(target, config, kv.kv_window, fetched)) \
         if config.enable_prefix_caching else None
+    runner = ModelRunner(config, forward, kv, buffers, full_graphs, piecewise_graphs)
     engine = Engine(target.name, runner, config, _eos_token_ids(target.resolved), step_observers, prefix_root)
     engine.start()
     total = time.perf_counter() - started
     emit(StartupPhase("ready", seconds=total, detail=f"{target.name} serves ({config.runtime_mode})"))
+    total_memory = torch.cuda.mem_get_info()[1] if config.device == "cuda" else 0
     sizing = ModelSizing(
-        key=fetched.key if fetched else "", num_kv_blocks=runner.num_blocks,
+        key=fetched.key if fetched else "", num_kv_blocks=kv.num_blocks,
         block_size=config.block_size, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=runner.kv_cache_bytes,
-        weights_bytes=runner.weights_bytes, activation_peak_bytes=activation_peak, cudagraph_bytes=cudagraph_bytes,
-        total_memory_bytes=budget.total_bytes, capture_sizes=config.capture_sizes,
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_cache_bytes=kv.bytes,
+        weights_bytes=loaded.weights_bytes, activation_peak_bytes=activation_peak, cudagraph_bytes=cudagraph_bytes,
+        total_memory_bytes=total_memory, capture_sizes=config.capture_sizes,
         runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
-        vocab_size=target.resolved.config.vocab_size, kv_window=runner.kv_window, dtype=target.resolved.dtype_name,
-        prefix_caching=config.enable_prefix_caching)
+        vocab_size=target.resolved.config.vocab_size, kv_window=kv.kv_window, dtype=target.resolved.dtype_name,
+        kv_cache_dtype=str(kv_spec.dtype).removeprefix("torch."), quantization=loaded.quantization,
+        prefix_caching=config.enable_prefix_caching, piecewise_capture_sizes=config.piecewise_capture_sizes,
+        piecewise_graph_bytes=piecewise_graphs.captured_bytes if piecewise_graphs else 0)
     return StartedModel(engine, sizing, tokenizer)
 
 
-def _model_identity(target: LoadTarget, config: EngineConfig, runner: ModelRunner,
-                    fetched: FetchedBundle | None) -> dict[str, str | int]:
+def _model_identity(target: LoadTarget, config: EngineConfig, kv_window: int,
+                    fetched: FetchedBundle | None) -> dict[str, str | int | float]:
     """What besides the tokens changes the keys and values a block holds: the prefix cache's root hash covers it.
 
     The bundle key covers the model config and dtype when there is a bundle; the hashes of the model spec and of the
@@ -256,8 +275,69 @@ def _model_identity(target: LoadTarget, config: EngineConfig, runner: ModelRunne
         "model_config": hashlib.sha256(resolved.config.to_json_string(use_diff=False).encode()).hexdigest(),
         "dtype": resolved.dtype_name, "weights": target.weights, "weights_seed": target.weights_seed,
         "device": config.device, "runtime_mode": config.runtime_mode.value, "block_size": config.block_size,
-        "kv_window": runner.kv_window,
+        "kv_window": kv_window, "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+        "kv_cache_scale": config.kv_cache_scale,
     }
+
+
+def _allocate_kv(budget: kv_sizing.MemoryBudget, spec: kv_cache.KVCacheSpec, config: EngineConfig,
+                 kv_window: int) -> KVCache:
+    return kv_sizing.allocate(spec, kv_sizing.num_blocks(budget, spec, config.max_model_len), config.device,
+                              kv_window, config.kv_cache_scale)
+
+
+def _capture(phases: "_Phases", span: trace.Span, forward: ModelForward, config: EngineConfig, target: LoadTarget,
+             buffers: StepBuffers, scratch: tuple[list, list | None], loaded: LoadedWeights, activation_peak: int,
+             kv_spec: kv_cache.KVCacheSpec) -> tuple[CUDAGraphs, PiecewiseGraphs | None, KVCache, int]:
+    """Piece graphs, the full graphs' measure, the KV cache sized around both, then the full graphs. ``scratch``:
+    a few blocks of cache and their FP8 scales (or None) for the eager attention of the captures before it exists."""
+    scratch_kv, scratch_scales = scratch
+    pool = torch.cuda.graph_pool_handle()
+    piecewise = None
+    if config.piecewise_capture_sizes:
+        def piece_captured(size: int, done: int) -> None:
+            total = len(config.piecewise_capture_sizes)
+            phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured piecewise graphs of {size} tokens ({done}/{total})")
+
+        with phases.step(spans.PIECEWISE_GRAPHS):
+            piecewise = capture_piecewise(forward, config, buffers, scratch_kv, pool, piece_captured,
+                                          scratch_scales)
+    with phases.step(spans.KV_CACHE):
+        measured = (piecewise.captured_bytes if piecewise else 0) + full_graph_bytes(
+            forward, config, target.resolved, buffers, scratch_kv, pool, scratch_scales)
+        budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak, measured)
+        kv = _allocate_kv(budget, kv_spec, config, loaded.kv_window)
+
+    def captured(size: int, done: int) -> None:
+        total = len(config.capture_sizes)
+        phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured batch size {size} ({done}/{total})")
+        span.add_event("captured", {spans.BATCH_SIZE: size})
+
+    with phases.step(spans.FULL_GRAPHS):
+        full = capture_full(forward, config, target.resolved, buffers, kv.caches, pool, captured, kv.scales)
+    total_bytes = full.captured_bytes + (piecewise.captured_bytes if piecewise else 0)
+    span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes),
+                         spans.CAPTURE_SECONDS: full.seconds + (piecewise.seconds if piecewise else 0.0),
+                         spans.PIECEWISE_CAPTURE_SIZES: list(config.piecewise_capture_sizes or ()),
+                         spans.BYTES: total_bytes, spans.NUM_KV_BLOCKS: kv.num_blocks,
+                         spans.KV_CACHE_BYTES: kv.bytes})
+    return full, piecewise, kv, total_bytes
+
+
+def _blocks_detail(kv: KVCache, config: EngineConfig) -> str:
+    detail = f"# {'GPU' if config.device == 'cuda' else 'CPU'} blocks: {kv.num_blocks}"
+    if kv.kv_window:
+        detail += f" (KV window {kv.kv_window} tokens: older blocks are freed as sequences run)"
+    return detail
+
+
+def _graphs_detail(full: CUDAGraphs, piecewise: PiecewiseGraphs | None) -> str:
+    """vLLM's capture line, for both kinds of graph."""
+    seconds = full.seconds + (piecewise.seconds if piecewise else 0.0)
+    total = full.captured_bytes + (piecewise.captured_bytes if piecewise else 0)
+    pieces = (f" ({piecewise.num_graphs} piecewise graphs of {len(piecewise.sizes)} token counts, "
+              f"{piecewise.captured_bytes / (1 << 30):.2f} GiB)" if piecewise else "")
+    return f"Graph capturing finished in {seconds:.0f} secs, took {total / (1 << 30):.2f} GiB{pieces}"
 
 
 def _load_tokenizer(target: LoadTarget, step: StepFn):

@@ -1,4 +1,5 @@
-"""Every KILN_LOG_BATCHSIZE_INTERVAL seconds, the forward-time table: vLLM's log line and a ``forward_stats`` span.
+"""Every KILN_LOG_BATCHSIZE_INTERVAL seconds, the forward-time table: vLLM's log line (an entry per batch size and
+phase) and a ``forward_stats`` span (a row per batch size, phase and path).
 
 Off when the variable is unset, like vLLM's VLLM_LOG_BATCHSIZE_INTERVAL. Driven by the engine's steps (an idle
 engine has nothing new to report), so it needs no thread of its own.
@@ -47,10 +48,10 @@ class BatchSizeLog:
     def report(self) -> None:
         """Log and emit the table now; the span covers the time since the previous report."""
         start_ns, self._last_ns, self._last = self._last_ns, time.time_ns(), time.monotonic()
+        for model, rows in itertools.groupby(self.stats.by_phase(), key=lambda s: s.model):
+            log.info("%s: %s", model, stats_line(list(rows)))
         for model, rows in itertools.groupby(self.stats.snapshot(), key=lambda s: s.model):
-            rows = list(rows)
-            log.info("%s: %s", model, stats_line(rows))
-            self._emit(model, rows, start_ns)
+            self._emit(model, list(rows), start_ns)
 
     def _emit(self, model: str, rows: list[BatchSizeStat], start_ns: int) -> None:
         span = self._tracer.start_span(spans.FORWARD_STATS, context=context.Context(), start_time=start_ns, attributes={
@@ -61,5 +62,7 @@ class BatchSizeLog:
             spans.STATS_P90_MS: [s.p90_ms for s in rows],
             spans.STATS_P99_MS: [s.p99_ms for s in rows],
             spans.STATS_RUNTIME_MODES: [s.runtime_mode for s in rows],
+            spans.STATS_PHASES: [s.phase for s in rows],
+            spans.STATS_PATHS: [s.path for s in rows],
         })
         span.end(end_time=self._last_ns)

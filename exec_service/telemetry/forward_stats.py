@@ -1,4 +1,6 @@
-"""Forward time per batch size, as in vLLM's "allow tracking forward time": (batch_size, count, median_ms).
+"""Forward time per batch size, phase and path, as in vLLM's "allow tracking forward time" (batch_size, count,
+median_ms), split so that a decode replayed from a full graph, a prefill replayed piecewise and a long prefill run
+from Python are three series, not one median.
 
 A step observer of every engine: it records every step; GetForwardStats, the periodic log line and the stats span
 read from here.
@@ -23,8 +25,10 @@ class BatchSizeStat:
     median_ms: float
     p90_ms: float
     p99_ms: float
-    runtime_mode: str
-    total_ms: float  # every step of this size, not only the samples kept
+    runtime_mode: str  # what LoadModel asked for
+    total_ms: float  # every step of this series, not only the samples kept
+    phase: str = ""  # prefill / decode / mixed
+    path: str = ""  # kiln.step_record.StepPath value; "" in a row that merges paths (``by_phase``)
 
 
 class _Series:
@@ -44,38 +48,52 @@ class ForwardStats:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._series: dict[tuple[str, int], _Series] = defaultdict(_Series)
+        self._series: dict[tuple[str, int, str, str], _Series] = defaultdict(_Series)
 
     def __call__(self, step: StepRecord) -> None:
-        self.record(step.model, step.batch_size, step.forward_ms, step.runtime_mode)
+        self.record(step.model, step.batch_size, step.forward_ms, step.runtime_mode, step.phase, step.path)
 
-    def record(self, model: str, batch_size: int, ms: float, runtime_mode: str) -> None:
+    def record(self, model: str, batch_size: int, ms: float, runtime_mode: str, phase: str = "",
+               path: str = "") -> None:
         with self._lock:
-            series = self._series[(model, batch_size)]
+            series = self._series[(model, batch_size, phase, path)]
             series.count += 1
             series.total_ms += ms
             series.samples.append(ms)
             series.runtime_mode = runtime_mode
 
     def snapshot(self, model: str | None = None, reset: bool = False) -> list[BatchSizeStat]:
+        """One row per (model, batch size, phase, path)."""
         with self._lock:
             keys = sorted(k for k in self._series if model in (None, "", k[0]))
-            out = []
-            for key in keys:
-                series = self._series[key]
-                ordered = sorted(series.samples)
-                out.append(BatchSizeStat(
-                    model=key[0], batch_size=key[1], count=series.count,
-                    median_ms=round(statistics.median(ordered), 3), p90_ms=round(_percentile(ordered, 0.9), 3),
-                    p99_ms=round(_percentile(ordered, 0.99), 3), runtime_mode=series.runtime_mode,
-                    total_ms=round(series.total_ms, 3)))
-                if reset:
+            out = [_stat(key, [self._series[key]]) for key in keys]
+            if reset:
+                for key in keys:
                     del self._series[key]
             return out
 
+    def by_phase(self, model: str | None = None) -> list[BatchSizeStat]:
+        """One row per (model, batch size, phase), its paths merged: the vLLM-style log line's entries."""
+        with self._lock:
+            merged: dict[tuple[str, int, str, str], list[_Series]] = defaultdict(list)
+            for key, series in self._series.items():
+                if model in (None, "", key[0]):
+                    merged[(*key[:3], "")].append(series)
+            return [_stat(key, merged[key]) for key in sorted(merged)]
+
+
+def _stat(key: tuple[str, int, str, str], series: list[_Series]) -> BatchSizeStat:
+    ordered = sorted(ms for s in series for ms in s.samples)
+    return BatchSizeStat(
+        model=key[0], batch_size=key[1], count=sum(s.count for s in series),
+        median_ms=round(statistics.median(ordered), 3), p90_ms=round(_percentile(ordered, 0.9), 3),
+        p99_ms=round(_percentile(ordered, 0.99), 3), runtime_mode=series[-1].runtime_mode,
+        total_ms=round(sum(s.total_ms for s in series), 3), phase=key[2], path=key[3])
+
 
 def stats_line(stats) -> str:
-    """The vLLM PR's log line, so eager and compiled runs compare exactly as there.
+    """The vLLM PR's log line, so eager and compiled runs compare exactly as there: an entry per row, so one per
+    (batch size, phase) given ``ForwardStats.by_phase``'s rows.
 
     ``stats``: BatchSizeStat rows or the GetForwardStats reply's messages (same field names)."""
     table = ", ".join(f"({s.batch_size}, {s.count}, {s.median_ms:.2f})" for s in stats)

@@ -50,6 +50,7 @@ class AttentionMetadata:
 class ForwardContext:
     kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata
+    kv_scales: list[torch.Tensor] | None = None  # per layer of an FP8 cache: [2, num_kv_heads] float32 (k's, v's)
 
 
 # Per thread: each model's engine steps in its own thread, and another model may profile or load meanwhile.

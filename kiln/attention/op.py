@@ -47,11 +47,12 @@ def attention(
     if ctx is None:
         return attention_reference.causal_attention(q, k, v, scale, 0, window, softcap).contiguous()
     kv_cache = ctx.kv_caches[int(layer)]
+    kv_scale = ctx.kv_scales[int(layer)] if ctx.kv_scales is not None else None
     if q.is_cuda:
         from kiln.attention import triton_kernels as attention_triton
 
-        return attention_triton.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap)
-    return attention_reference.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap)
+        return attention_triton.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap, kv_scale)
+    return attention_reference.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap, kv_scale)
 
 
 @attention.register_fake

@@ -3,6 +3,9 @@
 Each layer may have its own sliding window (``window`` > 0: a query attends to itself and the ``window - 1``
 tokens before it, as transformers' sliding-window mask does) and its own soft-capping of the attention logits
 (``softcap`` > 0: ``softcap * tanh(logits / softcap)`` before the softmax, as Gemma 2 does).
+
+An FP8 cache (float8_e4m3fn) stores each key and value divided by its kv head's scale (``kv_scale`` [2, Hkv]: keys'
+scales, values'), clamped to the format's range, and multiplies it back as it is read.
 """
 
 import torch
@@ -10,14 +13,27 @@ import torch.nn.functional as F
 
 from kiln.attention.forward_context import AttentionMetadata
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
     """Store this step's keys and values at their slots; slots < 0 are padding and skipped."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[valid].to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(kv_cache.dtype)
+    for i, x in enumerate((k, v)):
+        x = x[valid]
+        if kv_scale is not None:
+            x = (x.float() / kv_scale[i][:, None]).clamp(-FP8_MAX, FP8_MAX)
+        kv_cache[i].view(-1, num_kv_heads, head_dim)[slots] = x.to(kv_cache.dtype)
+
+
+def read_kv(stored: torch.Tensor, kv_scale: torch.Tensor | None, which: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cached keys (``which`` 0) or values (1) [T, Hkv, D] in ``dtype``, their FP8 scales multiplied back."""
+    if kv_scale is None:
+        return stored.to(dtype)
+    return (stored.float() * kv_scale[which][:, None]).to(dtype)
 
 
 def causal_attention(
@@ -49,14 +65,14 @@ def causal_attention(
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v into the cache, then attend each sequence's queries over its cached context.
 
     With a window, only the blocks from the one holding the first query's earliest visible token on are read: the
     blocks before it may have been freed (their table entries then name the null block, see BlockManager).
     """
-    write_kv(k, v, kv_cache, meta.slot_mapping)
+    write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
     out = torch.zeros_like(q)
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     starts = meta.query_start_loc.tolist()
@@ -67,7 +83,7 @@ def paged_attention(
         first_block = max(0, first_query - window + 1) // block_size if window > 0 else 0
         key_start = first_block * block_size
         blocks = meta.block_tables[i, first_block:-(-seq_len // block_size)].long()
-        keys = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - key_start]
-        values = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - key_start]
+        keys, values = (read_kv(kv_cache[i][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len - key_start],
+                                kv_scale, i, q.dtype) for i in (0, 1))
         out[lo:hi] = causal_attention(q[lo:hi], keys, values, scale, first_query - key_start, window, softcap)
     return out

@@ -23,6 +23,9 @@ kernels, masked on load and store.
 Accumulation is in fp32; fp32 inputs' dots are IEEE unless torch.set_float32_matmul_precision allows TF32, the
 switch cuBLAS follows for the model's own matmuls. The output has q's dtype. Rows of the batch that are CUDA-graph
 padding (sequence length 0) produce zeros.
+
+An FP8 cache (``kv_scale`` given) is written divided by each kv head's scale and read as stored: the key scale is
+folded into the scores' scale and the value scale into the output, so the tiles' loop is the same as in 16 bits.
 """
 
 import functools
@@ -37,6 +40,7 @@ from kiln.model.features import MAX_CUDA_HEAD_DIM
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
+FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value: an FP8 cache's keys and values are clamped to it
 DECODE_BLOCK_N = 32  # context tokens per decode loop iteration
 DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
 # Decode arguments that follow the split count, so the batch size: the log-sum-exp strides (the partial outputs'
@@ -46,6 +50,9 @@ DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
 PREFILL_CONFIGS = {2: (128, 32, 8, 2), 4: (64, 32, 4, 2)}
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
 # would JIT a new variant for each divisibility class it falls in (a 0.7 s stall in a serving step on an H200).
+# Likewise the prefill of a mixed step starts at its first prefilling sequence as an index (first_seq, not
+# specialised) into the step's whole tables, never as pointers offset by the decodes before it: Triton specialises
+# pointers on 16-byte alignment, so every count of leading decodes not a multiple of 4 built a variant after ready.
 
 
 @triton.jit
@@ -55,6 +62,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -70,8 +79,10 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
-    """One program per token: copy its k/v [Hkv, D] into the cache at its slot, unless the slot is < 0."""
+    """One program per token: copy its k/v [Hkv, D] into the cache at its slot, unless the slot is < 0. KV_SCALED
+    (an FP8 cache): each head's k and v divided by its scale and clamped to the format's range first."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -80,6 +91,10 @@ def _write_kv_kernel(
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
     dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims * stride_cd
+    if KV_SCALED:
+        head_mask = heads < num_kv_heads
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr + heads, mask=head_mask, other=1.0), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr + heads, mask=head_mask, other=1.0), -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + dest, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -174,6 +189,8 @@ def _decode_split_kernel(
     query_start_loc_ptr,
     part_out_ptr,
     part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     cap_scale,
     window,
@@ -199,10 +216,12 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     """Attend the query heads of one kv head over one split of one sequence's context (its window's tail of it).
 
     Writes the split's normalised output and its log2-sum-exp (-inf for an empty split) for the reduce kernel.
+    KV_SCALED (an FP8 cache): the head's key scale is folded into the scores' scale, its value scale into the output.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -223,6 +242,9 @@ def _decode_split_kernel(
         mask=(groups[:, None] < GROUP) & (dims[None, :] < HEAD_DIM) & has_query,
         other=0.0,
     )
+
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -261,6 +283,8 @@ def _decode_split_kernel(
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if KV_SCALED:
+        out = out * tl.load(v_scale_ptr + kv_head)
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row_mask = groups < GROUP
     part = part_out_ptr + seq.to(tl.int64) * stride_pob + split * stride_pos
@@ -312,7 +336,7 @@ def _decode_reduce_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "first_seq"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -321,9 +345,12 @@ def _prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     cap_scale,
     window,
+    first_seq,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -342,15 +369,16 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's cached context.
 
     The context splits into three runs of tiles: those a window edge crosses for some row (masked by window and
     causality), those inside every row's window and before every row (unmasked), and the causal diagonal (masked).
-    Without a window the first run is empty.
+    Without a window the first run is empty. KV_SCALED as in the decode kernel.
     """
     m_block = tl.program_id(0)
-    seq = tl.program_id(1)
+    seq = tl.program_id(1) + first_seq
     head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -359,6 +387,8 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len  # context tokens before this step's queries
     kv_head = head // GROUP
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
@@ -476,6 +506,8 @@ def _prefill_kernel(
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_SCALED:
+        out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -516,7 +548,13 @@ def _scales(scale: float, softcap: float) -> tuple[float, float]:
     return scale * LOG2E, 1.0
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _kv_scales(kv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(keys' scales, values' scales) [Hkv] of an FP8 cache; (None, None) for a cache in the model's dtype."""
+    return (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
     """Store k/v [T, Hkv, D] at their slots of ``kv_cache``; slots < 0 are padding and left untouched."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -526,6 +564,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k_cache,
         v_cache,
         slot_mapping,
+        *_kv_scales(kv_scale),
         *k.stride(),
         *v.stride(),
         *k_cache.stride(),
@@ -534,12 +573,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_SCALED=kv_scale is not None,
     )
 
 
 def _decode(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int, softcap: float,
-    out: torch.Tensor,
+    out: torch.Tensor, kv_scale: torch.Tensor | None = None,
 ) -> None:
     batch = meta.seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
@@ -561,6 +601,7 @@ def _decode(
         meta.query_start_loc,
         part_out,
         part_lse,
+        *_kv_scales(kv_scale),
         qk_scale,
         cap_scale,
         window,
@@ -578,6 +619,7 @@ def _decode(
         BLOCK_N=DECODE_BLOCK_N,
         SOFTCAP=softcap > 0,
         DOT_PRECISION=_dot_precision(q.dtype),
+        KV_SCALED=kv_scale is not None,
         num_warps=4,
         num_stages=2,
     )
@@ -599,9 +641,10 @@ def _decode(
 
 def _prefill(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int, softcap: float,
-    out: torch.Tensor,
+    out: torch.Tensor, first_seq: int = 0, kv_scale: torch.Tensor | None = None,
 ) -> None:
-    batch = meta.seq_lens.shape[0]
+    """The sequences of ``meta`` from ``first_seq`` on (the ones before it are a mixed step's decodes)."""
+    batch = meta.seq_lens.shape[0] - first_seq
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -619,9 +662,11 @@ def _prefill(
         meta.seq_lens,
         meta.query_start_loc,
         out,
+        *_kv_scales(kv_scale),
         qk_scale,
         cap_scale,
         window,
+        first_seq,
         *q.stride(),
         *k_cache.stride(),
         meta.block_tables.stride(0),
@@ -634,6 +679,7 @@ def _prefill(
         BLOCK_N=block_n,
         SOFTCAP=softcap > 0,
         DOT_PRECISION=_dot_precision(q.dtype),
+        KV_SCALED=kv_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -641,23 +687,24 @@ def _prefill(
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    window: int = 0, softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0, kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v into the cache, then attend each sequence's queries over its cached context -> [T, Hq, D].
 
-    Tokens that belong to no sequence, and those of sequences with an empty context, get zeros.
+    Tokens that belong to no sequence, and those of sequences with an empty context, get zeros. ``kv_scale``
+    [2, Hkv] float32: the cache is FP8, each head's keys and values stored divided by their scale.
     """
     head_dim = q.shape[-1]
     if head_dim > MAX_CUDA_HEAD_DIM or head_dim != kv_cache.shape[-1]:
         raise ValueError(f"head_dim {head_dim} must be at most {MAX_CUDA_HEAD_DIM} and match the cache's "
                          f"{kv_cache.shape[-1]}")
-    write_kv(k, v, kv_cache, meta.slot_mapping)
+    write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if meta.is_decode:
-        _decode(q, kv_cache, meta, scale, window, softcap, out)
+        _decode(q, kv_cache, meta, scale, window, softcap, out, kv_scale)
     else:
-        decodes, rest = meta.split_decodes()
+        decodes, _ = meta.split_decodes()
         if decodes is not None:
-            _decode(q, kv_cache, decodes, scale, window, softcap, out)
-        _prefill(q, kv_cache, rest, scale, window, softcap, out)
+            _decode(q, kv_cache, decodes, scale, window, softcap, out, kv_scale)
+        _prefill(q, kv_cache, meta, scale, window, softcap, out, meta.num_decodes, kv_scale)
     return out

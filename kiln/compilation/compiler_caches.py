@@ -21,7 +21,10 @@ def partition_factors(device: str) -> dict:
     """What this process's generated code for ``device`` depends on that Inductor's and Triton's keys do not hold.
 
     The vector ISA Inductor's C++ code is built for counts for CPU code only: finding it compiles a test program
-    per ISA (25 s of a cold compile on the H200 machine), and a CUDA compile's kernels are Triton's."""
+    per ISA (25 s of a cold compile on the H200 machine), and a CUDA compile's kernels are Triton's. Torch keeps the
+    answer per process; it is nearly all of a CPU cache-hit load's ``bundle_key`` step, and remembering it across
+    processes would gain nothing, because loading the CPU code probes it again when the key did not
+    (BENCHMARKS.md, "bundle_key on a cache hit")."""
     import torch
 
     factors = {

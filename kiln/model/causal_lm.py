@@ -5,6 +5,8 @@ caller's INVALID_ARGUMENT, weights larger than the device's free memory are RESO
 is checked tensor by tensor against it (kiln.model.checkpoint).
 """
 
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +21,13 @@ from kiln.model.device_memory import available_bytes
 from kiln.model.layer_regions import DecoderLayers
 from kiln.model.merged_projections import merge_projections
 from kiln.model.spec import ResolvedModel
+from kiln.quantization import fp8_checkpoint
+from kiln.quantization.checkpoint_formats import Fp8Checkpoint
+from kiln.quantization.fp8_linear import Fp8Linear
+from kiln.quantization.model_quantization import Fp8Quantization, quantization_of
+from kiln.quantization.quantize_layers import quantize_layer
+
+LayerHook = Callable[[torch.nn.Module, str], object]  # (decoder layer, its name in the model): makes it FP8
 
 
 def _softcapped(config, logits: torch.Tensor) -> torch.Tensor:
@@ -71,19 +80,30 @@ class TokenModel(torch.nn.Module):
     def config(self):
         return self.causal_lm.config
 
+    @property
+    def is_fp8(self) -> bool:
+        return any(isinstance(m, Fp8Linear) for step in self.layers.steps for m in step.layer.modules())
 
-def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed: int = 0) -> TokenModel:
-    """The model with dummy weights (seeded) or the safetensors of a local HF directory, in eval mode."""
+
+def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed: int = 0,
+                quantization: str = "") -> TokenModel:
+    """The model with dummy weights (seeded) or the safetensors of a local HF directory, in eval mode; its decoder
+    linears in FP8 when ``quantization`` is "fp8" or the model's config is an FP8 checkpoint's
+    (kiln.quantization.model_quantization)."""
+    fp8 = quantization_of(model.config, quantization)
     skeleton = _skeleton(model)
-    _check_fits(skeleton, model, device)
+    _check_fits(skeleton, model, device, fp8)
     if weights in ("", "dummy"):
-        causal_lm = _dummy_weights(skeleton, device, seed)
+        causal_lm = _dummy_weights(skeleton, device, seed, _fp8_layer(fp8))
     else:
         directory = Path(weights)  # a directory the model roots admitted (exec_service.api.load_request)
         if not directory.is_dir():
             raise NotFound(f"weights: {quote(weights)} is neither 'dummy' nor a directory with *.safetensors")
-        checkpoint.check(directory, skeleton)
-        causal_lm = _load_pretrained(directory, model, device)
+        if fp8 is not None and fp8.checkpoint is not None:
+            causal_lm = _load_fp8_checkpoint(directory, skeleton, fp8.checkpoint, device, seed)
+        else:
+            checkpoint.check(directory, skeleton)
+            causal_lm = _load_pretrained(directory, model, device, _fp8_layer(fp8))
     causal_lm.config._attn_implementation = ATTENTION_IMPLEMENTATION
     return TokenModel(causal_lm.eval()).eval()
 
@@ -111,34 +131,116 @@ def transformers_model(model: ResolvedModel, device: str, seed: int = 0) -> PreT
     return _dummy_weights(_skeleton(model), device, seed).eval()
 
 
-def _dummy_weights(skeleton: PreTrainedModel, device: str, seed: int) -> PreTrainedModel:
+def _dummy_weights(skeleton: PreTrainedModel, device: str, seed: int,
+                   prepare_layer: LayerHook | None = None) -> PreTrainedModel:
     """The skeleton's tensors on ``device``, each initialised once by transformers' own ``_init_weights`` (seeded):
     the values transformers gives every tensor a checkpoint lacks (``from_pretrained`` builds on the meta device and
     initialises those this way), without building the model a second time and without the per-module torch
-    initialisations that ``from_config`` runs first and then overwrites (12 of the 20 s of a 1B model on a CPU)."""
-    causal_lm = skeleton.to_empty(device=device)  # uninitialised storage; ties between parameters come undone
+    initialisations that ``from_config`` runs first and then overwrites (12 of the 20 s of a 1B model on a CPU).
+
+    With ``prepare_layer`` (FP8), each decoder layer is materialised, initialised and handed to it in turn, so that
+    only one layer is ever in the model's dtype: the values are those of the whole model's initialisation, in the
+    same order."""
+    if prepare_layer is None:
+        causal_lm = skeleton.to_empty(device=device)  # uninitialised storage; ties between parameters come undone
+        torch.manual_seed(seed)
+        causal_lm.init_weights()  # every module's _init_weights (rotary buffers included), then the ties again
+        return causal_lm
+    layers = _decoder_layers(skeleton)
+    inside = {id(m) for layer in layers.values() for m in layer.modules()}
+    for module in skeleton.modules():
+        if id(module) not in inside:
+            module.to_empty(device=device, recurse=False)
     torch.manual_seed(seed)
-    causal_lm.init_weights()  # every module's _init_weights (rotary buffers included), then the ties again
+    prefixes = {id(layer): prefix for prefix, layer in layers.items()}
+    # transformers 5.24 passes whether the model is remote code; earlier 5.x releases take the module alone.
+    custom = (skeleton.is_custom_code(),) if "is_custom_code" in \
+        inspect.signature(skeleton._initialize_weights).parameters else ()
+
+    def initialise(module: torch.nn.Module, init) -> None:  # PreTrainedModel.initialize_weights' order: children first
+        for child in module.children():
+            if id(child) in prefixes:
+                child.to_empty(device=device)
+            initialise(child, child._initialize_weights if isinstance(child, PreTrainedModel) else init)
+            if id(child) in prefixes:
+                prepare_layer(child, prefixes[id(child)])
+        init(module, *custom)
+
+    with torch.no_grad():
+        initialise(skeleton, skeleton._initialize_weights)
+    skeleton.tie_weights()
+    return skeleton
+
+
+def _decoder_layers(causal_lm: PreTrainedModel) -> dict[str, torch.nn.Module]:
+    """Name -> module of each decoder layer Kiln runs (TokenModel's)."""
+    layers = getattr(causal_lm.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise InvalidArgument(f"model config: {type(causal_lm.base_model).__name__} has no list of decoder layers "
+                              f"to compile")
+    names = {id(m): n for n, m in causal_lm.named_modules()}
+    return {names[id(layer)]: layer for layer in layers[:causal_lm.config.num_hidden_layers]}
+
+
+def _fp8_layer(fp8: Fp8Quantization | None) -> LayerHook | None:
+    """What makes a decoder layer FP8 once its model-dtype weights are there: None when the model is not FP8."""
+    if fp8 is None:
+        return None
+    fmt = fp8.checkpoint
+
+    def prepare(layer: torch.nn.Module, prefix: str) -> None:
+        quantize_layer(layer, prefix, fp8.static_activations, fmt.ignores if fmt else lambda name: False)
+
+    return prepare
+
+
+def _load_fp8_checkpoint(directory: Path, skeleton: PreTrainedModel, fmt: Fp8Checkpoint, device: str,
+                         seed: int) -> PreTrainedModel:
+    """An FP8 checkpoint, checked name by name, shape by shape and type by type before anything is built, then loaded
+    layer by layer (kiln.quantization.fp8_checkpoint); the rest of the model's tensors after."""
+    linears = fp8_checkpoint.quantized_linears(_decoder_layers(skeleton), fmt)
+    checkpoint.check(directory, skeleton, extra=fp8_checkpoint.expected_scales(linears, fmt))
+    reader = fp8_checkpoint.CheckpointReader(directory)
+    reader.check_fp8(linears)
+    causal_lm = _dummy_weights(skeleton, device, seed,
+                               lambda layer, prefix: fp8_checkpoint.load_layer(layer, prefix, reader, fmt))
+    inside = tuple(f"{prefix}." for prefix in _decoder_layers(causal_lm))
+    with torch.no_grad():
+        for name, tensor in causal_lm.state_dict(keep_vars=True).items():
+            if not name.startswith(inside) and name in reader.files:
+                tensor.copy_(reader.read(name))
     return causal_lm
 
 
-def _check_fits(skeleton: PreTrainedModel, model: ResolvedModel, device: str) -> None:
+def _check_fits(skeleton: PreTrainedModel, model: ResolvedModel, device: str, fp8: Fp8Quantization | None) -> None:
     needed, free = weights_bytes(skeleton), available_bytes(device)
+    if fp8 is not None:  # a byte per weight of the decoder's linears, and a float32 scale per row
+        for linear in _decoder_linears(skeleton):
+            needed -= linear.weight.numel() * (linear.weight.element_size() - 1) - 4 * linear.out_features
+    kind = f"{model.dtype_name}{' with FP8 linears' if fp8 else ''}"
     if free is not None and needed > free:
-        raise ResourceExhausted(f"model config: the weights of {model.name} in {model.dtype_name} take "
+        raise ResourceExhausted(f"model config: the weights of {model.name} in {kind} take "
                                 f"{needed / 2**30:.1f} GiB, the {device} has {free / 2**30:.1f} GiB free")
 
 
-def _load_pretrained(path: Path, model: ResolvedModel, device: str) -> PreTrainedModel:
+def _decoder_linears(skeleton: PreTrainedModel) -> list[torch.nn.Linear]:
+    return [m for layer in _decoder_layers(skeleton).values() for m in layer.modules() if type(m) is torch.nn.Linear]
+
+
+def _load_pretrained(path: Path, model: ResolvedModel, device: str,
+                     prepare_layer: LayerHook | None = None) -> PreTrainedModel:
     try:
         # Moved after loading: device_map would need accelerate, which Kiln does not depend on.
-        return AutoModelForCausalLM.from_pretrained(
-            path, config=model.config, dtype=model.dtype, use_safetensors=True
-        ).to(device)
+        causal_lm = AutoModelForCausalLM.from_pretrained(path, config=model.config, dtype=model.dtype,
+                                                         use_safetensors=True)
     except SafetensorError as exc:
         raise DataLoss(f"weights: a safetensors file in {path} is damaged ({first_line(exc)})") from None
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"weights: cannot load {quote(str(path))}: {quote(first_line(exc))}") from None
+    if prepare_layer is not None:  # each layer to the device and FP8 there, one at a time
+        for prefix, layer in _decoder_layers(causal_lm).items():
+            prepare_layer(layer.to(device), prefix)
+    return causal_lm.to(device)
 
 
 def weights_bytes(module: torch.nn.Module) -> int:

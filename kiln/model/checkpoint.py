@@ -6,6 +6,7 @@ mis-shaped tensor is FAILED_PRECONDITION listing the first few of each, and a fi
 DATA_LOSS naming it. Only the files' headers are read.
 """
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -32,10 +33,11 @@ def tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check(directory: Path, model: torch.nn.Module) -> None:
-    """FAILED_PRECONDITION unless the checkpoint holds exactly the model's tensors, in the model's shapes."""
+def check(directory: Path, model: torch.nn.Module, extra: Mapping[str, tuple[int, ...]] | None = None) -> None:
+    """FAILED_PRECONDITION unless the checkpoint holds exactly the model's tensors, in the model's shapes, and the
+    ``extra`` ones in theirs (an FP8 checkpoint's scales, kiln.quantization.fp8_checkpoint)."""
     shapes = tensor_shapes(directory)
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()} | dict(extra or {})
     tied = _tied_names(model)
     missing = [n for n in expected if n not in shapes and not tied.get(n, set()) & shapes.keys()]
     unexpected = [n for n in shapes if n not in expected]

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kiln.attention.op import ATTENTION_IMPLEMENTATION
 from kiln.model.causal_lm import CONFIG_BUILD_ERRORS, TokenModel, unbuildable
 from kiln.model.spec import ResolvedModel
+from kiln.quantization.model_quantization import quantization_of
 
 # Fields the build or the forward read that still cannot change the compiled code, and why.
 NOT_CODE_FIELDS = {
@@ -30,12 +31,18 @@ NOT_CODE_FIELDS = {
     "use_cache": "the forward is called with use_cache=False",
     "dtype": "the model's dtype is a factor of its own, from the request",
     "torch_dtype": "the model's dtype is a factor of its own, from the request",
+    "quantization_config": "a factor by what of it changes the code (model_config_factors), not its every field",
 }
 
 
 def model_config_factors(model: ResolvedModel) -> dict:
-    """``model_type`` and every config field the forward reads, with its value, sorted by name."""
-    return json.loads(_factors_json(json.dumps(model.config.to_dict(), sort_keys=True, default=str), model.dtype))
+    """``model_type`` and every config field the forward reads, with its value, sorted by name; for an FP8
+    checkpoint's config, what of its quantization changes the compiled code."""
+    factors = json.loads(_factors_json(json.dumps(model.config.to_dict(), sort_keys=True, default=str), model.dtype))
+    stored = quantization_of(model.config)
+    if stored is not None:
+        factors["quantization_config"] = stored.code_factors()
+    return factors
 
 
 @functools.lru_cache(maxsize=64)

@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from transformers import PretrainedConfig
 
 from kiln.errors import InvalidArgument, quote
+from kiln.quantization.model_quantization import check_supported, quantization_of
 
 # (config, device) -> why this value is refused, or None when Kiln honours it.
 Check = Callable[[PretrainedConfig, str], str | None]
@@ -42,10 +43,6 @@ HONOURED = frozenset({
     "default_theta",  # the class's rope base when a config gives none, folded into rope_parameters
 })
 
-# Keys a config.json may carry beyond its class's fields that act on the model outside the modeling code.
-REFUSED_EXTRAS = {
-    "quantization_config": "quantized checkpoints are not supported; serve the unquantized weights",
-}
 
 MAX_CUDA_HEAD_DIM = 256  # the Triton kernels hold a tile of one head and its fp32 accumulator in registers
 
@@ -95,6 +92,16 @@ def _no_attention_softcap(config: PretrainedConfig, device: str) -> str | None:
     return None
 
 
+def _quantization(config: PretrainedConfig, device: str) -> str | None:
+    """FP8 checkpoints (compressed-tensors, transformers' fp8) are honoured; any other method or scheme is refused
+    naming the field and its value, and so is FP8 on a device that cannot run it."""
+    try:
+        check_supported(quantization_of(config), device, "model config quantization_config")
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{exc} (model_type {config.model_type!r})") from None
+    return None
+
+
 def _head_dim(config: PretrainedConfig, device: str) -> str | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if device == "cuda" and head_dim > MAX_CUDA_HEAD_DIM:
@@ -119,7 +126,8 @@ class Family:
         return name in NEUTRAL or name in self.neutral
 
     def checks(self) -> dict[str, Check]:
-        return {"rope_parameters": _rope, "head_dim": _head_dim, **self.conditional}
+        return {"rope_parameters": _rope, "head_dim": _head_dim, "quantization_config": _quantization,
+                **self.conditional}
 
     def classified(self) -> set[str]:
         return set(HONOURED | self.honoured | NEUTRAL | self.neutral | self.checks().keys())
@@ -188,8 +196,6 @@ def check(config: PretrainedConfig, device: str, families: Mapping[str, Family] 
             reason = family.checks()[name](config, device)
         elif family.honours(name) or family.is_neutral(name):
             continue
-        elif name in REFUSED_EXTRAS:
-            reason = REFUSED_EXTRAS[name]
         elif name in declared and getattr(config, name, None) != defaults.get(name):
             # A field this transformers version has and Kiln has not reviewed: only its default is known to be safe.
             reason = f"Kiln has not reviewed this {family.title} field; only its default is served"

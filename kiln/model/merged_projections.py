@@ -65,21 +65,55 @@ def _mergeable(projections: list) -> bool:
 
 
 def merge_identical_linears(gm: torch.fx.GraphModule) -> int:
-    """Make the graph's ``linear`` calls on the same input, weight and bias one call; returns how many went.
+    """Make the graph's identical products one: ``linear`` calls on the same input, weight and bias, and FP8 products
+    with the activation quantize before them (kiln.quantization.fp8_linear); returns how many calls went.
 
-    A group's slices each ask for the group's whole product (ProjectionSlice); this leaves one GEMM per group.
-    ``linear`` is pure, so calls with the same arguments are the same value."""
+    A group's slices each ask for the group's whole product (ProjectionSlice, Fp8Linear); this leaves one GEMM per
+    group. Neither Dynamo nor Inductor does it: an FP8 group traced without this pass runs three ``_scaled_mm``.
+    The pass is common-subexpression elimination over the graph's pure calls, in order, so a quantize chain is one
+    before the products that read it are compared."""
     seen: dict[tuple, torch.fx.Node] = {}
     removed = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
+        if not _pure(node):
             continue
-        signature = (node.args, tuple(sorted(node.kwargs.items())))
-        first = seen.setdefault(signature, node)
+        signature = (node.op, node.target, node.args, tuple(sorted(node.kwargs.items())))
+        try:
+            first = seen.setdefault(signature, node)
+        except TypeError:  # an argument that cannot be hashed (a list of tensors' sizes is fine; a slice is not)
+            signature = (node.op, node.target, repr(node.args), repr(sorted(node.kwargs.items())))
+            first = seen.setdefault(signature, node)
         if first is not node:
             node.replace_all_uses_with(first)
             gm.graph.erase_node(node)
-            removed += 1
+            removed += node.target in LINEAR_TARGETS
     if removed:
         gm.recompile()
     return removed
+
+
+LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch._scaled_mm)
+# Calls whose result is not a function of their arguments alone: random numbers, and ops that read state.
+_STATEFUL = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "seed", "grad", "autocast")
+# The operator module's functions that change their first argument (``x += y`` on a tensor traces to iadd).
+_MUTATING_OPERATORS = frozenset({"setitem", "delitem", "iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imod",
+                                 "imul", "imatmul", "ior", "ipow", "irshift", "isub", "itruediv", "ixor"})
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """Whether two calls of ``node``'s target on the same arguments are the same value: torch and operator functions
+    and tensor methods, not in-place (a trailing underscore), not random, no custom op (the attention op reads the
+    step's KV cache)."""
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        module = getattr(node.target, "__module__", "") or ""
+        if isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) or not (
+                module.startswith(("torch", "_operator")) or node.target in LINEAR_TARGETS):
+            return False
+        if node.is_impure() or name in _MUTATING_OPERATORS:
+            return False
+    else:
+        return False
+    return not name.endswith("_") and not any(word in name for word in _STATEFUL)

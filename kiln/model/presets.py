@@ -23,6 +23,13 @@ PRESETS: dict[str, dict] = {
         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
                           rope_type="llama3"),
     ),
+    "llama-3.1-70b": dict(  # meta-llama/Llama-3.1-70B: 141 GB in bfloat16, so on one H200 in FP8 (docs/fp8.md)
+        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False,
+        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
+                          rope_type="llama3"),
+    ),
     "llama-3.2-1b": dict(  # meta-llama/Llama-3.2-1B
         model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,

@@ -1,0 +1,158 @@
+"""Prefill and mixed steps of up to 512 tokens: the step's time against the sum of its own GPU kernels, replayed from
+piecewise CUDA graphs and launched from Python (the compiled layers), on one GPU.
+
+A step is host-bound when its time (CUDA events around the forward, as the engine's forward stats time it) is well
+over its kernels' sum (the profiler's CUDA kernel events): the GPU waits for launches. The target is at most 1.15x.
+Steps: one sequence prefilling T tokens from scratch, and a mixed step of 16 decodes (1,024 tokens of context each)
+with a prefill chunk of T - 16 tokens. Compiles the preset once (a compile service in this process, on loopback, fresh
+store), then loads the bundle as the execute service does (signature checked, no compile).
+
+usage: python bench/prefill_steps.py [--preset llama-3-8b] [--tokens 32,64,128,256,384,512] [--json-out FILE]
+"""
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from forward_latency import BLOCK_SIZE, time_ms
+from layer_kernels import profile_step
+
+from exec_service.engine import kv_cache
+from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES
+from exec_service.engine.model_forward import ModelForward
+from exec_service.engine.piecewise_graphs import PiecewiseGraphs
+from exec_service.engine.step_inputs import StepBuffers
+from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from kiln.compilation.counters import expect_no_compile
+from kiln.model.causal_lm import build_model
+from kiln.model.spec import resolve
+from kiln.rpc.grpc_server import CHANNEL_OPTIONS
+from kiln.store.bundle import load_compiled
+from kiln.store.signing import Signer, TrustedKeys, generate_key_pair, local_keys_dir
+from protos import common_pb2, compile_pb2, compile_pb2_grpc
+
+DECODES = 16
+CONTEXT = 1024
+MAX_TOKENS = 512
+
+
+async def compile_bundle(store: Path, spec: common_pb2.ModelSpec, config) -> str:
+    """The bundle's key, compiled by a compile service started here for it."""
+    from compile_service.server import start_compile_server
+
+    signing_key, _ = generate_key_pair(local_keys_dir(store))
+    server, port = await start_compile_server(store, "127.0.0.1:0", signer=Signer.load(signing_key))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+            key = ""
+            async for event in compile_pb2_grpc.CompileServiceStub(channel).Compile(
+                    compile_pb2.CompileRequest(model=spec, config=config)):
+                if event.HasField("result"):
+                    key = event.result.key.digest
+            return key
+    finally:
+        await server.stop(grace=1)
+
+
+def step_metadata(tokens: int, mixed: bool, max_blocks: int) -> AttentionMetadata:
+    """One prefill of ``tokens`` (blocks from 0), or 16 decodes over CONTEXT tokens and a prefill of the rest."""
+    decodes = DECODES if mixed else 0
+    chunk = tokens - decodes
+    context_blocks = -(-(CONTEXT + 1) // BLOCK_SIZE)
+    tables = torch.arange((decodes + 1) * max_blocks, dtype=torch.int32, device="cuda").view(decodes + 1, max_blocks)
+    slots = [int(tables[i, CONTEXT // BLOCK_SIZE]) * BLOCK_SIZE + CONTEXT % BLOCK_SIZE for i in range(decodes)]
+    slots += [int(tables[decodes, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(chunk)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device="cuda"),
+        query_start_loc=torch.tensor([*range(decodes + 1), tokens], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([CONTEXT + 1] * decodes + [chunk], dtype=torch.int32, device="cuda"),
+        block_tables=tables[:, :max(context_blocks, -(-chunk // BLOCK_SIZE))].contiguous(),
+        max_query_len=chunk, num_seqs=decodes + 1, num_decodes=decodes)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="llama-3-8b")
+    p.add_argument("--tokens", default="32,64,128,256,384,512")
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args()
+    sizes = [int(t) for t in args.tokens.split(",")]
+    spec = common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16")
+    config = common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=MAX_TOKENS)
+    with tempfile.TemporaryDirectory() as tmp:
+        key = asyncio.run(compile_bundle(Path(tmp) / "store", spec, config))
+        torch.set_grad_enabled(False)
+        resolved = resolve(spec, "cuda")
+        model = build_model(resolved, "cuda")
+        with expect_no_compile("loading the bundle"):
+            compiled = load_compiled(Path(tmp) / "store" / key, key,
+                                     TrustedKeys.load(local_keys_dir(Path(tmp) / "store")))
+    forward = ModelForward(model, compiled)
+    max_blocks = -(-(CONTEXT + MAX_TOKENS + 1) // BLOCK_SIZE)
+    caches = kv_cache.allocate(kv_cache.KVCacheSpec.from_config(resolved.config, BLOCK_SIZE, resolved.dtype),
+                               (DECODES + 1) * max_blocks, "cuda")
+    buffers = StepBuffers(MAX_TOKENS, DECODES + 1, max_blocks, BLOCK_SIZE, resolved.config.vocab_size, "cuda")
+    for tokens in (2, MAX_TOKENS):  # the execute service's warm-up
+        forward.compiled_forward(torch.zeros(tokens, dtype=torch.int64, device="cuda"),
+                                 torch.arange(tokens, device="cuda"))
+    compiled.skip_guard_checks()
+    graphs = PiecewiseGraphs(forward.compiled_forward, DEFAULT_PIECEWISE_CAPTURE_SIZES, buffers,
+                             [*model.parameters(), *model.buffers()], torch.cuda.graph_pool_handle())
+    with expect_no_compile("capturing"):
+        graphs.capture(caches)
+    print(f"captured {graphs.num_graphs} piece graphs of {len(graphs.sizes)} sizes in {graphs.seconds:.2f} s, "
+          f"{graphs.captured_bytes / 2**20:.0f} MiB", flush=True)
+
+    rows = []
+    for mixed in (False, True):
+        for tokens in sizes:
+            meta = step_metadata(tokens, mixed, max_blocks)
+            ids = torch.randint(0, resolved.config.vocab_size, (tokens,), device="cuda")
+            positions = torch.arange(tokens, device="cuda")
+            padded = graphs.padded_size(tokens)
+            padded_ids = torch.zeros(padded, dtype=torch.int64, device="cuda")
+            padded_ids[:tokens] = ids
+            padded_positions = torch.zeros_like(padded_ids)
+            padded_positions[:tokens] = positions
+            padded_meta = AttentionMetadata(
+                torch.cat([meta.slot_mapping, torch.full((padded - tokens,), -1, device="cuda")]),
+                meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len, meta.num_seqs,
+                meta.num_decodes)
+
+            def piecewise(padded=padded, padded_ids=padded_ids, padded_positions=padded_positions,
+                          padded_meta=padded_meta):
+                with forward_context(ForwardContext(caches, padded_meta)), graphs.replay(padded):
+                    forward.compiled_forward(padded_ids, padded_positions)
+
+            def launched(ids=ids, positions=positions, meta=meta):
+                forward(ids, positions, caches, meta)
+
+            row = {"step": "mixed" if mixed else "prefill", "tokens": tokens, "padded": padded}
+            for name, fn in (("piecewise", piecewise), ("compiled", launched)):
+                kernels = profile_step(fn, 10)
+                row[f"{name}_ms"] = time_ms(fn)
+                row[f"{name}_kernels_ms"] = sum(us for _, us in kernels.values()) / 1e3
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    print(f"\n{args.preset} bf16, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: a prefill of T tokens, "
+          f"and a mixed step of {DECODES} decodes ({CONTEXT} tokens of context) + a chunk of T - {DECODES}")
+    print("| step | T | padded | piecewise ms | its kernels ms | step/kernels | compiled (Python) ms | its kernels ms "
+          "| step/kernels |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['step']} | {r['tokens']} | {r['padded']} | {r['piecewise_ms']:.2f} | "
+              f"{r['piecewise_kernels_ms']:.2f} | {r['piecewise_ms'] / r['piecewise_kernels_ms']:.2f}x | "
+              f"{r['compiled_ms']:.2f} | {r['compiled_kernels_ms']:.2f} | "
+              f"{r['compiled_ms'] / r['compiled_kernels_ms']:.2f}x |")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The load_compiled phase: the bundle's compiled layers, unpickled without compiling, and their first calls paid
+here rather than in a request's step."""
+
+from pathlib import Path
+
+import torch
+
+from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.model_forward import ModelForward
+from kiln.attention.forward_context import AttentionMetadata
+from kiln.compilation.counters import expect_no_compile
+from kiln.errors import FailedPrecondition, first_line
+from kiln.store import bundle
+from kiln.store.signing import TrustedKeys
+
+
+def load_compiled(bundle_dir: Path, key: str, trusted: TrustedKeys):
+    """The bundle's compiled layers once its signature verifies, compiling nothing."""
+    with expect_no_compile("loading the compiled function"):
+        try:
+            return bundle.load_compiled(bundle_dir, key, trusted)
+        except (RuntimeError, AssertionError) as exc:
+            raise FailedPrecondition(f"bundle {bundle_dir.name[:12]}: torch refused to load it: "
+                                     f"{first_line(exc)}") from exc
+
+
+@torch.no_grad()
+def warm_up_compiled(forward: ModelForward, config: EngineConfig, compile_sizes: tuple[int, ...]) -> None:
+    """The first call at a token count does one-off work (kernel loads, launch setup, Inductor's pick among a
+    kernel's configs): pay it here for the smallest and the largest step and every compile size, whose code is its
+    own, not in a request's step (BENCHMARKS.md, startup and throughput)."""
+    tokens = config.max_num_batched_tokens
+    with expect_no_compile("warming up the compiled function"):
+        for size in sorted({min(2, tokens), tokens, *(s for s in compile_sizes if s <= tokens)}):
+            forward.compiled_forward(torch.zeros(size, dtype=torch.int64, device=config.device),
+                                     torch.arange(size, device=config.device))
+        forward.compiled.skip_guard_checks()  # every layer's weights passed torch's guards just now
+
+
+@torch.no_grad()
+def warm_up_paged_attention(forward: ModelForward, kv_caches: list[torch.Tensor], block_size: int,
+                            device: str, kv_scales: list[torch.Tensor] | None = None) -> None:
+    """A two-token prefill, then one decode step, of one sequence through a paged KV cache: the attention kernels
+    are built here (Triton's JIT), not in a request's first step. ``kv_caches`` need only its first blocks."""
+    blocks = -(-3 // block_size)
+    if kv_caches[0].shape[1] < blocks:
+        return
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None, :]
+    for start, end in ((0, 2), (2, 3)):
+        positions = torch.arange(start, end, device=device)
+        metadata = AttentionMetadata(
+            slot_mapping=positions, query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=device), block_tables=table,
+            max_query_len=end - start, num_seqs=1)
+        forward(torch.zeros_like(positions), positions, kv_caches, metadata, kv_scales)
