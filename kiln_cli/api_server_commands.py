@@ -11,7 +11,7 @@ from kiln_cli.compile_commands import add_shutdown_grace_arg
 def register(subparsers) -> None:
     p = subparsers.add_parser("api-server", help="run the OpenAI-compatible HTTP gateway")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port to listen on")
     p.add_argument("--exec-server", action="append", default=None, metavar="TARGET",
                    help="execute services, balanced round-robin: HOST:PORT (repeatable, IP addresses), or one gRPC "
                         "target such as dns:///exec:50052 (every address the name resolves to: a Kubernetes "
