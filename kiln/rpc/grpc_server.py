@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kiln.errors import KilnError, first_line, resource_error
 from kiln.rpc.auth import TokenAuth, TokenTable
+from kiln.rpc.field_bounds import check_request
 from kiln.rpc.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,9 @@ def _cut(message: str) -> str:
 
 
 def status_errors(method):
-    """Map KilnError to its status, a full disk or exhausted memory to theirs, and anything else (a Kiln bug) to
-    INTERNAL with one line: never a stack trace."""
+    """Check every number of the request against its range first (kiln.rpc.field_bounds), then map KilnError to its
+    status, a full disk or exhausted memory to theirs, and anything else (a Kiln bug) to INTERNAL with one line:
+    never a stack trace."""
 
     async def abort(context, exc: Exception):
         if isinstance(exc, KilnError):
@@ -97,6 +99,7 @@ def status_errors(method):
         @functools.wraps(method)
         async def stream(self, request, context):
             try:
+                check_request(request)
                 async for item in method(self, request, context):
                     yield item
             except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -109,6 +112,7 @@ def status_errors(method):
     @functools.wraps(method)
     async def unary(self, request, context):
         try:
+            check_request(request)
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
