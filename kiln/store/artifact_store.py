@@ -14,7 +14,8 @@ sha256s and signature are checked on that copy), so a remote backend keeps verif
 - ``quarantine(key, reason)``: take a local copy that failed a check at load out of service, kept for a person.
 - ``staging_dir()`` / ``commit(key, staged)`` / ``discard(staged)``: build a bundle in a local directory, then
   publish it atomically (readers see the whole bundle or none of it), or throw it away.
-- ``list()``: every committed bundle's manifest and last-used time (ListArtifacts); ``delete(key)``: bytes freed.
+- ``list()``: every committed bundle's manifest and last-used time (ListArtifacts), and each entry that does not
+  read, with why: one bad entry is that key's DATA_LOSS, never the whole listing's; ``delete(key)``: bytes freed.
 
 Writes are atomic; the compile service's store signs what it commits and, on a read, takes as present only a
 bundle signed by a key it trusts: whoever else can write the store can plant bytes there but not a hit. A process
@@ -32,6 +33,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -68,6 +70,14 @@ class StoredArtifact:
     last_used_unix: float
 
 
+@dataclass
+class Listing:
+    """What ``list`` found: the bundles that read, and key (or entry name) -> why, for those that do not."""
+
+    artifacts: list[StoredArtifact]
+    unreadable: dict[str, str]
+
+
 class ArtifactStore(Protocol):
     """What the compile pipeline, the compile service and the bundle fetcher need of a store (see above)."""
 
@@ -79,7 +89,7 @@ class ArtifactStore(Protocol):
     def staging_dir(self) -> Path: ...
     def commit(self, key: str, staged: Path) -> Path: ...
     def discard(self, staged: Path) -> None: ...
-    def list(self) -> list[StoredArtifact]: ...
+    def list(self) -> Listing: ...
     def delete(self, key: str) -> int: ...
 
 
@@ -143,8 +153,15 @@ class FilesystemStore:
         caller rebuilds it. Call it holding the key's lock. ``check=False`` is for a reader that hashes as it reads
         (GetArtifact) and calls ``get`` again, under the lock, when that finds a difference."""
         path = self.path(key)
-        if not path.is_dir():
+        if not os.path.lexists(path):
             return None
+        if not _is_real_dir(path):
+            exc = CorruptBundle(f"bundle {key} in the store {self.root}: not a directory (a link or a file was put "
+                                f"in its place)")
+            if self.verify and check and not self.read_only:
+                self.quarantine(key, str(exc))
+                return None
+            raise exc
         if self.verify and check:
             try:
                 self._verify(key, path)
@@ -209,26 +226,36 @@ class FilesystemStore:
         shutil.rmtree(staged, ignore_errors=True)
         self._release(staged)
 
-    def list(self) -> list[StoredArtifact]:
-        out = []
+    def list(self) -> Listing:
+        artifacts, unreadable = [], {}
         for path in sorted(self.root.iterdir()):
-            if path.name.startswith(".") or not path.is_dir():
+            if path.name.startswith("."):
                 continue
             try:
+                if not is_key(path.name) or not _is_real_dir(path):
+                    raise CorruptBundle(f"{path.name[:64]!r} in the store {self.root} is not a bundle directory")
                 manifest = bundle.read_manifest(path)
-            except CorruptBundle:
+                if manifest.key != path.name:
+                    raise CorruptBundle(f"bundle {path.name}: its manifest is of bundle {manifest.key[:12]}")
+            except CorruptBundle as exc:
+                log.warning("%s", exc)
+                unreadable[path.name[:64]] = str(exc)
                 continue
             last_used = (path / _LAST_USED).stat().st_mtime if (path / _LAST_USED).exists() else manifest.created_unix
-            out.append(StoredArtifact(manifest, last_used))
-        return out
+            artifacts.append(StoredArtifact(manifest, last_used))
+        return Listing(artifacts, unreadable)
 
     def delete(self, key: str) -> int:
         """Remove a bundle; returns the bytes freed (0 when it was not there)."""
         path = self.path(key)
-        if not path.is_dir():
+        if not os.path.lexists(path):
             return 0
-        freed = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
         with self.lock(key):
+            if not _is_real_dir(path):  # a link or a file in a bundle's place: removed, never followed
+                freed = os.lstat(path).st_size
+                os.unlink(path)
+                return freed
+            freed = sum(p.lstat().st_size for p in path.iterdir() if p.is_file() and not p.is_symlink())
             self._remove(path)
         return freed
 
@@ -269,6 +296,11 @@ class FilesystemStore:
         doomed = self.root / ".staging" / f"deleted-{path.name}-{time.monotonic_ns()}"
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _is_real_dir(path: Path) -> bool:
+    """A directory itself, not a link to one."""
+    return stat.S_ISDIR(os.lstat(path).st_mode)
 
 
 def _flock(path: Path, blocking: bool) -> int:

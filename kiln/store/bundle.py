@@ -9,9 +9,12 @@ manifest and signature followed by its files' bytes, concatenated in the manifes
 chunks: neither side holds more than a chunk of it in memory.
 """
 
+import errno
 import hashlib
 import io
 import json
+import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +47,22 @@ class UntrustedBundle(FailedPrecondition):
     def __init__(self, key: str, signer: str, reason: str):
         super().__init__(f"bundle {key}: {reason} (signer: {signer}); refused, nothing of it was loaded")
         self.signer = signer
+
+
+def open_regular(path: Path, text: bool = False):
+    """``path`` opened for reading, only when it is a regular file and not a link: a FIFO or a device put in a
+    store would block a read forever, a link would read outside it. Anything else is CorruptBundle (DATA_LOSS)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptBundle(f"{path.name} is a symbolic link, not a file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptBundle(f"{path.name} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "r", encoding="utf-8", newline="") if text else os.fdopen(fd, "rb")
 
 
 def sha256_file(path: Path) -> str:
@@ -111,7 +130,7 @@ def read_manifest(bundle_dir: Path) -> Manifest:
 def _read_text(path: Path) -> str:
     """A manifest or signature file as stored, bounded in size."""
     try:
-        with open(path, encoding="utf-8", newline="") as f:  # the bytes signed, not a translation of them
+        with open_regular(path, text=True) as f:  # the bytes signed, not a translation of them
             return f.read(MAX_MANIFEST_BYTES + 1)
     except (OSError, ValueError) as exc:
         raise CorruptBundle(f"{path.parent.name}: unreadable {path.name}: {exc}") from None
@@ -136,7 +155,7 @@ def read_chunks(bundle_dir: Path, manifest: Manifest, chunk_bytes: int) -> Itera
         entry = manifest.files[name]
         digest, left = hashlib.sha256(), entry["size"]
         try:
-            with open(bundle_dir / name, "rb") as f:
+            with open_regular(bundle_dir / name) as f:
                 while left:
                     block = f.read(min(chunk_bytes, left))
                     if not block:
@@ -251,10 +270,12 @@ def _read_listed(bundle_dir: Path, name: str, manifest: Manifest, signer: str) -
     """A file's bytes, read once, after checking them against the signed manifest's size and sha256."""
     entry = manifest.files[name]
     try:
-        with open(bundle_dir / name, "rb") as f:
+        with open_regular(bundle_dir / name) as f:
             data = f.read(entry["size"] + 1)
     except OSError:
         raise AlteredBundle(manifest.key, signer, f"{name} is missing") from None
+    except CorruptBundle as exc:
+        raise AlteredBundle(manifest.key, signer, str(exc)) from None
     if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise AlteredBundle(manifest.key, signer, f"{name} differs from the sha256 its manifest lists")
     return data
