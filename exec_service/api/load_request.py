@@ -6,7 +6,7 @@ from exec_service.api.runtime_modes import runtime_mode_from_proto
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.startup.load_model import LoadTarget
 from kiln.compilation.config import CompileConfig
-from kiln.errors import InvalidArgument
+from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
 from kiln.runtime_mode import RuntimeMode
@@ -26,13 +26,16 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
     """Validated, with every client-named directory (model, weights) checked against ``roots``."""
     compile_config = CompileConfig.from_proto(request.config)
     resolved = resolve(request.model, compile_config.device, roots)
-    weights = request.weights or "dummy"
+    weights, pinned = request.weights or "dummy", None
     if weights != "dummy":
-        weights = str(roots.check_dir(weights, "weights"))
+        pinned = roots.check_dir(weights, "weights")
+        if not pinned.is_dir:
+            raise NotFound(f"weights: {quote(weights)} is neither 'dummy' nor a directory with *.safetensors")
+        weights = str(pinned.view)  # the files the check opened, never what the path names later
     return LoadTarget(
         name=model_name(request, resolved), spec=request.model, resolved=resolved, compile_config=compile_config,
         key=request.key.digest or None, engine_config=engine_config(request, resolved, compile_config.device),
-        weights=weights, weights_seed=request.weights_seed)
+        weights=weights, weights_seed=request.weights_seed, weights_dir=pinned)
 
 
 def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel, device: str) -> EngineConfig:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import DataLoss, FailedPrecondition
+from kiln.json_object import bounded_loads
 from kiln.store.signing import Signature, Signer, TrustedKeys, UntrustedSignature
 
 MANIFEST = "manifest.json"
@@ -97,7 +98,7 @@ class Manifest:
         if len(text) > MAX_MANIFEST_BYTES:
             raise CorruptBundle(f"manifest: {len(text)} bytes, more than {MAX_MANIFEST_BYTES}")
         try:
-            manifest = cls(**json.loads(text))
+            manifest = cls(**bounded_loads(text))
         except (ValueError, TypeError) as exc:
             raise CorruptBundle(f"manifest: unreadable: {exc}") from None
         if not isinstance(manifest.files, dict):
@@ -320,7 +321,7 @@ def load_compiled(bundle_dir: Path, key: str, trusted: TrustedKeys):
     if LAYER_KINDS not in manifest.files:
         raise UntrustedBundle(key, signer, f"its signed manifest lists no {LAYER_KINDS}")
     try:
-        kinds = tuple(json.loads(_read_listed(bundle_dir, LAYER_KINDS, manifest, signer)))
+        kinds = tuple(bounded_loads(_read_listed(bundle_dir, LAYER_KINDS, manifest, signer)))
     except ValueError:
         raise AlteredBundle(key, signer, f"{LAYER_KINDS} does not parse") from None
     files = [compiled_layer_file(kind) for kind in range(max(kinds) + 1)]
