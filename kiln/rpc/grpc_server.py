@@ -3,6 +3,7 @@ security of the port: TLS, bearer tokens, the request size cap, and a loud warni
 
 import asyncio
 import contextvars
+import faulthandler
 import functools
 import inspect
 import ipaddress
@@ -287,7 +288,13 @@ class Server:
 
 
 def serve_until_signal(start, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
-    """Run ``start()`` (a coroutine returning (Server, port)) and serve until SIGINT/SIGTERM: the CLI's servers."""
+    """Run ``start()`` (a coroutine returning (Server, port)) and serve until SIGINT/SIGTERM: the CLI's servers.
+
+    A crash in native code (SIGSEGV, SIGBUS, SIGABRT, ...) leaves every thread's Python stack on stderr, the log
+    of a service run as a child (faulthandler); SIGUSR1 prints the same without stopping, for a server that hangs.
+    """
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
     async def serve():
         server, _ = await start()
