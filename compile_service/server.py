@@ -60,7 +60,10 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
                                                     region=region, elapsed_s=time.monotonic() - started))
 
         # The worker thread runs in a copy of this context, so the compile's spans are children of this call's span.
-        job = in_worker_thread(compile_model, model, config, self.store, progress)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        job = in_worker_thread(compile_model, model, config, self.store, progress, deadline)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when the client left
         async for event in events.until_done(job):
             yield compile_pb2.CompileEvent(progress=event)
         yield compile_pb2.CompileEvent(result=_result(job.result()))

@@ -212,3 +212,53 @@ def test_a_bundle_directory_swapped_for_a_link_is_data_loss(tmp_path, compile_se
     assert "not a directory" in refused.value.details()
     listed = stub.ListArtifacts(compile_pb2.ListArtifactsRequest(), timeout=10)
     assert swapped not in {a.key.digest for a in listed.artifacts}
+
+
+def compile_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "compile_model" and t.is_alive()]
+
+
+@pytest.mark.parametrize("backend", ["redis", "directory"])
+def test_a_compile_waiting_on_a_held_lock_gives_up_at_the_calls_deadline(backend, tmp_path, signer):
+    """Another holder keeps the key's lock (a live lease, or the lock file's flock): the Compile ends at its
+    deadline, and so does the worker thread that waited for it, rather than waiting on for a client that is gone."""
+    from compile_service.server import start_compile_server
+
+    redis = RedisServer(tmp_path / "redis").start() if backend == "redis" else None
+    store = redis.url() if redis else tmp_path / "store"
+    server = BackgroundServer(lambda: start_compile_server(store, "127.0.0.1:0", signer=signer,
+                                                           cache_dir=tmp_path / "cache"))
+    channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
+    release = threading.Event()
+    try:
+        stub = compile_pb2_grpc.CompileServiceStub(channel)
+        request = compile_pb2.CompileRequest(model=common_pb2.ModelSpec(preset="tiny-llama"),
+                                             config=common_pb2.CompileConfig(device="cpu"))
+        (looked_up,) = stub.Compile(compile_pb2.CompileRequest(model=request.model, config=request.config,
+                                                               key_only=True), timeout=60)
+        key = looked_up.result.key.digest
+        if redis:
+            redis.client().set(f"kiln:lease:{key}", "another compile service", px=120_000)
+        else:
+            held = threading.Event()
+
+            def hold():
+                with FilesystemStore(store).lock(key):
+                    held.set()
+                    release.wait(60)
+
+            threading.Thread(target=hold, daemon=True).start()
+            assert held.wait(10)
+        with pytest.raises(grpc.RpcError) as waited:
+            list(stub.Compile(request, timeout=2))
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 5
+        while compile_threads() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not compile_threads(), "the worker thread still waits for the lock"
+    finally:
+        release.set()
+        channel.close()
+        server.stop()
+        if redis:
+            redis.stop()

@@ -139,7 +139,7 @@ class BundleFetcher:
                 digest = cache_key.digest(cache_key.key_factors(resolved, config))
         path = None
         if cached:
-            with self.store.lock(digest):
+            with self.store.lock(digest, calls.deadline):
                 path = self.store.get(digest)
         source = self._found_in
         if path is None:
@@ -183,7 +183,7 @@ class BundleFetcher:
         return result.key.digest
 
     def _get_or_download(self, digest: str, progress: ProgressFn, calls: "_Calls") -> tuple[Path, str]:
-        with self.store.lock(digest):
+        with self.store.lock(digest, calls.deadline):
             path = self.store.get(digest)
             if path is not None:
                 return path, self._found_in

@@ -5,8 +5,10 @@ and nothing more. A bundle is a local directory once a caller holds it (a pickle
 sha256s and signature are checked on that copy), so a remote backend keeps verified local copies:
 
 - ``location``: where the store is, for messages and spans (a path, ``redis://host:port/db``); never a password.
-- ``lock(key)``: single flight for one key across every process on the store (a file lock here, a fenced lease
-  in Redis); ``commit`` of that key happens inside it.
+- ``lock(key, deadline=None)``: single flight for one key across every process on the store (a file lock here, a
+  fenced lease in Redis); ``commit`` of that key happens inside it. A waiter gives up at ``deadline``
+  (``time.monotonic()``), the deadline of the call it serves, with DEADLINE_EXCEEDED: no worker thread waits on
+  behalf of a client that is gone.
 - ``get(key, check=True) -> Path | None``: the committed bundle as a local directory checked now (never
   remembered as good: bit rot keeps the modification time), or None when there is none (a corrupt one is taken out
   of service by a writer, so it is rebuilt; a reader refuses it). ``check=False`` is for a reader that hashes as it
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from kiln.errors import FailedPrecondition, InvalidArgument, quote
+from kiln.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, quote
 from kiln.store import bundle
 from kiln.store.bundle import CorruptBundle, Manifest, UntrustedBundle
 from kiln.store.signing import Signer, TrustedKeys
@@ -83,7 +85,7 @@ class ArtifactStore(Protocol):
 
     location: str
 
-    def lock(self, key: str) -> AbstractContextManager[None]: ...
+    def lock(self, key: str, deadline: float | None = None) -> AbstractContextManager[None]: ...
     def get(self, key: str, check: bool = True) -> Path | None: ...
     def quarantine(self, key: str, reason: str) -> None: ...
     def staging_dir(self) -> Path: ...
@@ -127,21 +129,21 @@ class FilesystemStore:
         return self.root / key
 
     @contextmanager
-    def lock(self, key: str) -> Iterator[None]:
-        """Exclusive per key, across threads of this process and across processes sharing the store.
+    def lock(self, key: str, deadline: float | None = None) -> Iterator[None]:
+        """Exclusive per key, across threads of this process and across processes sharing the store; waits until
+        ``deadline`` at most (DEADLINE_EXCEEDED).
 
         The lock file is removed on release, so none outlives its holder; a waiter that wakes on a removed file
         takes the lock again on the new one.
         """
         with self._guard:
             thread_lock = self._thread_locks.setdefault(key, threading.Lock())
-        if self.read_only:
-            with thread_lock:
+        with held(thread_lock, deadline, f"bundle {key[:12]} in the store {self.root}"):
+            if self.read_only:
                 yield
-            return
-        path = self.root / ".locks" / f"{key}.lock"
-        with thread_lock:
-            fd = _flock(path, blocking=True)
+                return
+            path = self.root / ".locks" / f"{key}.lock"
+            fd = _flock(path, blocking=True, deadline=deadline)
             try:
                 yield
             finally:
@@ -303,8 +305,23 @@ def _is_real_dir(path: Path) -> bool:
     return stat.S_ISDIR(os.lstat(path).st_mode)
 
 
-def _flock(path: Path, blocking: bool) -> int:
-    """An open descriptor holding the exclusive flock of the file now at ``path`` (created if missing).
+@contextmanager
+def held(lock: threading.Lock, deadline: float | None, what: str) -> Iterator[None]:
+    """``lock`` held, waited for until ``deadline`` at most."""
+    if not lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+        raise DeadlineExceeded(f"{what}: another request held its lock until this call's deadline")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+_POLL_S = 0.05  # how often a waiter with a deadline tries a lock another process holds
+
+
+def _flock(path: Path, blocking: bool, deadline: float | None = None) -> int:
+    """An open descriptor holding the exclusive flock of the file now at ``path`` (created if missing); blocking
+    waits until ``deadline`` at most (DEADLINE_EXCEEDED).
 
     Holders remove the file when they release it, so a lock taken on a file that is no longer at ``path`` is
     worthless: take it again on the one that is.
@@ -312,7 +329,10 @@ def _flock(path: Path, blocking: bool) -> int:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if blocking and deadline is None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                _flock_until(fd, deadline if blocking else None, path)
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd
         except FileNotFoundError:
@@ -321,3 +341,18 @@ def _flock(path: Path, blocking: bool) -> int:
             os.close(fd)
             raise
         os.close(fd)
+
+
+def _flock_until(fd: int, deadline: float | None, path: Path) -> None:
+    """LOCK_NB once (``deadline`` None), or again every _POLL_S until ``deadline``."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if deadline is None:
+                raise
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"bundle {path.stem[:12]} in the store {path.parent.parent}: another "
+                                       f"process held its lock until this call's deadline") from None
+            time.sleep(_POLL_S)

@@ -64,8 +64,9 @@ class Lease:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    def acquire(self) -> int:
-        """Wait until this claim holds the lease; returns its fencing token. Redis errors propagate."""
+    def acquire(self, deadline: float | None = None) -> int | None:
+        """Wait until this claim holds the lease, or until ``deadline`` (time.monotonic()); returns its fencing
+        token, or None when the deadline came first. Redis errors propagate."""
         poll_s = min(0.25, self.ttl_ms / 10000)
         while True:
             token = self.client.eval(_ACQUIRE, 2, self.lease_key, self.fence_key, self.owner, self.ttl_ms,
@@ -73,6 +74,8 @@ class Lease:
             if token is not None:
                 self.token = int(token)
                 break
+            if deadline is not None and time.monotonic() + poll_s > deadline:
+                return None
             time.sleep(poll_s)
         self._renewer = threading.Thread(target=self._renew, name=f"lease {self.lease_key}", daemon=True)
         self._renewer.start()

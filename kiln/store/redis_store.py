@@ -45,9 +45,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kiln.errors import Unavailable
+from kiln.errors import DeadlineExceeded, Unavailable
 from kiln.store import bundle
-from kiln.store.artifact_store import FilesystemStore, Listing, StoredArtifact, is_key
+from kiln.store.artifact_store import FilesystemStore, Listing, StoredArtifact, held, is_key
 from kiln.store.bundle import MAX_MANIFEST_BYTES, CorruptBundle, Manifest, UntrustedBundle
 from kiln.store.redis_lease import Lease
 from kiln.store.signing import Signer, TrustedKeys
@@ -144,17 +144,20 @@ class RedisStore:
     # --- single flight ---------------------------------------------------------------------------------------
 
     @contextmanager
-    def lock(self, key: str) -> Iterator[None]:
-        """Exclusive per key across every process on this Redis (a lease), and across threads of this one."""
+    def lock(self, key: str, deadline: float | None = None) -> Iterator[None]:
+        """Exclusive per key across every process on this Redis (a lease), and across threads of this one; waits
+        until ``deadline`` at most (DEADLINE_EXCEEDED)."""
         with self._guard:
             thread_lock = self._thread_locks.setdefault(key, threading.Lock())
-        with thread_lock:
+        with held(thread_lock, deadline, f"bundle {key[:12]} in the store {self.location}"):
             if self.read_only:
                 yield
                 return
             lease = Lease(self.client, f"kiln:lease:{key}", f"kiln:fence:{key}", self.lease_s)
             with self._reachable():
-                lease.acquire()
+                if not lease.acquire(deadline):
+                    raise DeadlineExceeded(f"bundle {key[:12]} in the store {self.location}: another compile "
+                                           f"service held its lease until this call's deadline")
             self._held[key] = lease
             try:
                 yield
