@@ -30,6 +30,8 @@ LAYER_KINDS = "layer_kinds.json"  # the kind of each decoder layer: which compil
 # Not covered by the manifest: the manifest itself, its signature, and the store's last-used stamp.
 _UNLISTED = {MANIFEST, SIGNATURE, ".last_used"}
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a few files; anything larger is not one
+MAX_FILES = 1024  # a bundle holds a compiled layer per kind of decoder layer and a few JSON files
+MAX_FILE_BYTES = 1 << 40  # no compiled layer comes near; a reader's own bound (max_bundle_bytes) is lower
 _READ_BYTES = 1 << 20
 
 
@@ -103,10 +105,12 @@ class Manifest:
             raise CorruptBundle(f"manifest: unreadable: {exc}") from None
         if not isinstance(manifest.files, dict):
             raise CorruptBundle("manifest: files is not an object")
+        if len(manifest.files) > MAX_FILES:
+            raise CorruptBundle(f"manifest: {len(manifest.files)} files, more than {MAX_FILES}")
         for name, entry in manifest.files.items():
             if name != Path(name).name or name.startswith(".") or name in _UNLISTED or len(name) > 255:
                 raise CorruptBundle(f"manifest: {name!r} is not a plain file name")
-            if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and entry["size"] >= 0
+            if not (isinstance(entry, dict) and type(entry.get("size")) is int and 0 <= entry["size"] <= MAX_FILE_BYTES
                     and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
                 raise CorruptBundle(f"manifest: {name!r} has no valid size and sha256")
         return manifest

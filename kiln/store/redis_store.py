@@ -49,7 +49,7 @@ from kiln.errors import DeadlineExceeded, Unavailable
 from kiln.store import bundle
 from kiln.store.artifact_store import FilesystemStore, Listing, StoredArtifact, held, is_key
 from kiln.store.bundle import MAX_MANIFEST_BYTES, CorruptBundle, Manifest, UntrustedBundle
-from kiln.store.redis_lease import Lease
+from kiln.store.redis_lease import MAX_LEASE_S, Lease
 from kiln.store.signing import Signer, TrustedKeys
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,9 @@ class RedisStore:
                  max_bundle_bytes: int = DEFAULT_MAX_BUNDLE_BYTES):
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes {chunk_bytes} is outside [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
+        if not 0 < lease_s <= MAX_LEASE_S:
+            raise ValueError(f"--lease-s {lease_s:g} is outside (0, {MAX_LEASE_S:g}]: a longer lease would be taken "
+                             f"for a stale one")
         self.location = redacted(url)
         self.read_only = read_only
         self.signer = signer
