@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 import threading
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -73,13 +74,24 @@ def register(subparsers) -> None:
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text (the model needs a tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    prompt.add_argument("--chat", help="one user message, rendered with the model's chat template")
+    prompt.add_argument("--message", action="append", type=_chat_message, metavar="ROLE=CONTENT",
+                        help="a chat message (repeat it: --message system='Be brief.' --message user='Hi')")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop-token-ids", default="", help="comma-separated token ids that end generation")
+    p.add_argument("--stop", action="append", default=[], help="text that ends generation, not returned (repeat it)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence or stop before this many tokens")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="in (0, 10]; 1 changes nothing")
+    p.add_argument("--logprobs", action="store_true", help="each token's log-probability")
+    p.add_argument("--top-logprobs", type=int, default=0, help="with --logprobs: this many alternatives, up to 20")
+    p.add_argument("--n", type=int, default=0, help="sequences of the one prompt (each printed whole as it ends)")
     p.add_argument("--json", action="store_true")
     security_args.add_client_args(p)
     p.set_defaults(handler=run_generate)
@@ -186,16 +198,29 @@ def run_load(args) -> int:
 
 
 def generate_request(args) -> exec_pb2.GenerateRequest:
-    request = exec_pb2.GenerateRequest(model=args.model, top_k=args.top_k, stop_token_ids=_ints(args.stop_token_ids),
-                                       ignore_eos=args.ignore_eos)
+    request = exec_pb2.GenerateRequest(
+        model=args.model, top_k=args.top_k, stop_token_ids=_ints(args.stop_token_ids), ignore_eos=args.ignore_eos,
+        stop=args.stop, min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logprobs=args.logprobs, top_logprobs=args.top_logprobs, n=args.n)
     if args.prompt is not None:
         request.prompt = args.prompt
+    elif args.chat is not None:
+        request.messages.add(role="user", content=args.chat)
+    elif args.message:
+        request.messages.extend(args.message)
     else:
         request.prompt_ids.extend(_ints(args.prompt_ids))
-    for field in ("max_tokens", "temperature", "top_p", "seed"):
+    for field in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty"):
         if getattr(args, field) is not None:
             setattr(request, field, getattr(args, field))
     return request
+
+
+def _chat_message(text: str) -> exec_pb2.ChatMessage:
+    role, equals, content = text.partition("=")
+    if not equals:
+        raise argparse.ArgumentTypeError(f"{text!r}: write it as ROLE=CONTENT, e.g. user='Hello'")
+    return exec_pb2.ChatMessage(role=role, content=content)
 
 
 @contextmanager
@@ -220,7 +245,7 @@ def run_generate(args) -> int:
         call = stub.Generate(generate_request(args))
         with cancel_on_interrupt(call) as interrupted:
             try:
-                print_responses(call, out)
+                print_responses(call, out, several=args.n > 1)
             except grpc.RpcError:
                 if interrupted.is_set():
                     raise KeyboardInterrupt from None
@@ -229,19 +254,32 @@ def run_generate(args) -> int:
     return _call(args, work)
 
 
-def print_responses(responses, out: Printer) -> None:
-    """Tokens as they stream (text where the model has a tokenizer), then one line of usage."""
+def print_responses(responses, out: Printer, several: bool = False) -> None:
+    """Tokens as they stream (text where the model has a tokenizer), then one line of usage. ``several`` sequences
+    (n > 1) are printed each whole as it ends, under its index. With logprobs, a line per token before the usage."""
+    texts: dict[int, str] = defaultdict(str)
+    logprobs: dict[int, list] = defaultdict(list)
     for response in responses:
         if out.as_json:
             out.message(response, "")
-        elif response.token_ids:
-            sys.stdout.write(response.text or "".join(f" {t}" for t in response.token_ids))
+            continue
+        piece = response.text or "".join(f" {t}" for t in response.token_ids)
+        logprobs[response.index] += response.logprobs
+        if several:
+            texts[response.index] += piece
+        elif piece:
+            sys.stdout.write(piece)
             sys.stdout.flush()
-        if response.finish_reason:
-            u = response.usage
-            out.line(f"\n[{FINISH_REASONS.get(response.finish_reason, '?')}] {u.prompt_tokens} prompt + "
-                     f"{u.output_tokens} output tokens, first token {u.time_to_first_token_s * 1000:.1f} ms, "
-                     f"total {u.total_s:.3f} s")
+        if not response.finish_reason:
+            continue
+        out.line(f"[{response.index}] {texts.pop(response.index)}" if several else "")  # ends the streamed line
+        for logprob in logprobs.pop(response.index):
+            top = ", ".join(f"{t.token or t.token_id!r} {t.logprob:.3f}" for t in logprob.top)
+            out.line(f"  {logprob.token or logprob.token_id!r} {logprob.logprob:.3f}" + (f"  ({top})" if top else ""))
+        u = response.usage
+        out.line(f"[{FINISH_REASONS.get(response.finish_reason, '?')}] {u.prompt_tokens} prompt + "
+                 f"{u.output_tokens} output tokens, first token {u.time_to_first_token_s * 1000:.1f} ms, "
+                 f"total {u.total_s:.3f} s")
 
 
 def run_models(args) -> int:

@@ -218,3 +218,44 @@ def gpu_stub(tmp_path_factory, signer, trusted_keys):
     channel.close()
     exec_server.stop()
     compile_server.stop()
+
+
+# A chat template in the shape of the common ones, that refuses a chat opening with the assistant (as Llama's and
+# Gemma's refuse what they cannot render).
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('a chat opens with system or user') }}{% endif %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory):
+    """The tiny model as transformers saves it (the weights of seed 7), with a byte-level BPE tokenizer trained here
+    by the ``tokenizers`` library to the model's 512 tokens, and CHAT_TEMPLATE in tokenizer_config.json."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kiln.model.causal_lm import transformers_model
+    from kiln.model.spec import resolve
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    transformers_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=7).save_pretrained(path)
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)] + ["héllo wörld 😀 日本語 café"] * 5
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    assert bpe.get_vocab_size() == 512  # every id the model can sample has a text
+    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return path

@@ -31,7 +31,7 @@ def test_messages_join_into_the_full_text_and_never_split_a_character(tokenizer)
         detokenizer, pieces, start = Detokenizer(tokenizer), [], 0
         while start < len(ids):
             size = rng.randint(1, 3)  # messages of 1 to 3 tokens, as a lagging handler coalesces them
-            pieces.append(detokenizer.add(ids[start:start + size]))
+            pieces.append(detokenizer.add(ids[start:start + size]).text)
             start += size
         assert not any("\ufffd" in piece for piece in pieces)
         assert "".join(pieces) == TEXT
@@ -41,7 +41,61 @@ def test_special_tokens_add_no_text(tokenizer):
     """As the whole decode skips them (skip_special_tokens): an end-of-sequence token sent as a message adds ''."""
     ids = tokenizer.encode(TEXT)
     detokenizer = Detokenizer(tokenizer)
-    pieces = [detokenizer.add([token]) for token in [*ids, tokenizer.eos_token_id, *ids]]
+    pieces = [detokenizer.add([token]).text for token in [*ids, tokenizer.eos_token_id, *ids]]
     assert pieces[len(ids)] == ""
     assert "".join(pieces) == TEXT + TEXT == tokenizer.decode([*ids, tokenizer.eos_token_id, *ids],
                                                                skip_special_tokens=True)
+
+
+def streamed(detokenizer: Detokenizer, ids: list[int], rng: random.Random) -> tuple[str, int, bool]:
+    """Through ``detokenizer`` in messages of 1 to 3 tokens, as the engine's steps deliver them: the text sent, the
+    tokens kept and whether a stop string ended it."""
+    text, kept, start = "", 0, 0
+    while start < len(ids):
+        chunk = ids[start:start + rng.randint(1, 3)]
+        start += len(chunk)
+        piece = detokenizer.add(chunk, last=start >= len(ids))
+        assert "\ufffd" not in piece.text
+        text, kept = text + piece.text, kept + piece.num_tokens
+        if piece.stopped:
+            return text, kept, True
+    return text, kept, False
+
+
+@pytest.mark.parametrize("stop", ["wörld", "ö", "😀 日", "本語 🎉", "é over", "café", "TEXT NOT THERE", "üb", "h"])
+def test_stop_strings_end_the_text_before_them_across_tokens_and_messages(tokenizer, stop):
+    ids = tokenizer.encode(TEXT)
+    found = TEXT.find(stop)
+    # The token whose text completes the first match: the output keeps the tokens up to it.
+    ending = next((i for i in range(len(ids)) if stop in tokenizer.decode(ids[:i + 1])), None)
+    rng = random.Random(1)
+    for _ in range(30):
+        text, kept, stopped = streamed(Detokenizer(tokenizer, ("never there", stop)), ids, rng)
+        if found < 0:
+            assert (text, kept, stopped) == (TEXT, len(ids), False)
+        else:
+            assert (text, kept, stopped) == (TEXT[:found], ending + 1, True)
+
+
+def test_text_that_may_begin_a_stop_string_is_held_until_it_cannot(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    detokenizer, sent, held = Detokenizer(tokenizer, ("naïve X",)), "", 0
+    for i, token in enumerate(ids):
+        sent += detokenizer.add([token]).text
+        if tokenizer.decode(ids[:i + 1]).endswith("naïve"):  # it may still become "naïve X"
+            assert sent == TEXT[:TEXT.index("naïve")]
+            held += 1
+    assert held and sent == TEXT  # " ü" said it does not
+    # Text that could begin a stop string at the end of the output goes out with the last message.
+    detokenizer = Detokenizer(tokenizer, ("café!",))
+    pieces = [detokenizer.add([token]).text for token in ids[:-1]]
+    last = detokenizer.add(ids[-1:], last=True).text
+    assert not "".join(pieces).endswith("caf") and last.endswith("café") and "".join(pieces) + last == TEXT
+
+
+def test_stop_strings_count_from_min_tokens_on(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    early = len(tokenizer.encode("héllo"))  # "llo" is complete within the first tokens
+    assert Detokenizer(tokenizer, ("llo",)).add(ids).stopped
+    piece = Detokenizer(tokenizer, ("llo",), min_tokens=early + 1).add(ids, last=True)
+    assert not piece.stopped and piece.text == TEXT

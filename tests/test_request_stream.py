@@ -62,3 +62,28 @@ def test_outputs_one_at_a_time_when_the_handler_keeps_up():
         return received
 
     assert asyncio.run(scenario()) == [[0], [1], [2]]
+
+
+def test_a_requests_sequences_coalesce_each_on_its_own_until_every_one_ended():
+    async def scenario():
+        stream = RequestStream(asyncio.get_running_loop(), num_sequences=2)
+        for token in (1, 2):
+            deliver([(stream, RequestOutput([token], index=0)), (stream, RequestOutput([10 + token], index=1))])
+        deliver([(stream, RequestOutput([3], FinishReason.STOP, index=0))])
+        await asyncio.sleep(0)
+        received = []
+
+        async def handler():
+            async for output in stream:
+                received.append((output.index, output.token_ids, output.finish_reason))
+                if len(received) == 1:  # the engine goes on while the handler sends
+                    stream.put(RequestOutput([13], index=1))
+                    await asyncio.sleep(0.01)
+                elif len(received) == 3:
+                    stream.put(RequestOutput([14], FinishReason.LENGTH, index=1))
+
+        await asyncio.wait_for(handler(), timeout=5)
+        return received
+
+    assert asyncio.run(scenario()) == [(0, [1, 2, 3], FinishReason.STOP), (1, [11, 12], None), (1, [13], None),
+                                       (1, [14], FinishReason.LENGTH)]

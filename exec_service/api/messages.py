@@ -1,6 +1,6 @@
 """The engine's Python values as the protobuf messages the API sends: the one place they become wire types."""
 
-from exec_service.engine.request_stream import RequestOutput
+from exec_service.engine.sampler import TokenLogprobs
 from exec_service.engine.sequence import FinishReason, Usage
 from exec_service.startup.load_model import ModelSizing, StartupPhase
 from exec_service.telemetry.forward_stats import BatchSizeStat
@@ -33,11 +33,19 @@ def usage_message(usage: Usage) -> exec_pb2.Usage:
         num_preemptions=usage.num_preemptions)
 
 
-def generate_response(output: RequestOutput, text: str) -> exec_pb2.GenerateResponse:
-    response = exec_pb2.GenerateResponse(token_ids=output.token_ids, text=text,
-                                         finish_reason=FINISH_REASONS[output.finish_reason])
-    if output.usage is not None:
-        response.usage.CopyFrom(usage_message(output.usage))
+def generate_response(token_ids: list[int], text: str, finish_reason: FinishReason | None, usage: Usage | None,
+                      index: int, logprobs: list[TokenLogprobs] | None,
+                      token_texts: dict[int, str] | None) -> exec_pb2.GenerateResponse:
+    """``token_texts``: the text of every token in ``logprobs`` (None without a tokenizer)."""
+    response = exec_pb2.GenerateResponse(token_ids=token_ids, text=text, finish_reason=FINISH_REASONS[finish_reason],
+                                         index=index)
+    if usage is not None:
+        response.usage.CopyFrom(usage_message(usage))
+    texts = token_texts or {}
+    for logprob in logprobs or ():
+        response.logprobs.append(exec_pb2.TokenLogprob(
+            token_id=logprob.token_id, logprob=logprob.logprob, token=texts.get(logprob.token_id, ""),
+            top=[exec_pb2.TokenLogprob(token_id=t, logprob=lp, token=texts.get(t, "")) for t, lp in logprob.top]))
     return response
 
 

@@ -31,13 +31,17 @@ class ServedModel:
             raise Unavailable(f"model: {self.name!r} failed to load: {self.error}")
         return self.started.engine
 
-    def new_sequence(self, request: exec_pb2.GenerateRequest) -> Sequence:
-        """The request as engine state, or INVALID_ARGUMENT naming the field at fault."""
-        sizing = self.started.sizing
-        prompt = generate_request.prompt_token_ids(request, self.started.tokenizer, sizing.vocab_size,
-                                                   sizing.max_model_len)
+    def new_sequences(self, request: exec_pb2.GenerateRequest) -> tuple[list[Sequence], tuple[str, ...]]:
+        """The request as engine state (its n sequences, sharing one request id) and its stop strings, or
+        INVALID_ARGUMENT naming the field at fault."""
+        sizing, tokenizer = self.started.sizing, self.started.tokenizer
+        prompt = generate_request.prompt_token_ids(request, tokenizer, sizing.vocab_size, sizing.max_model_len)
         params = generate_request.sampling_params(request, sizing.vocab_size)
-        return Sequence(uuid.uuid4().hex, prompt, params, sizing.max_model_len, self.started.engine.eos_token_ids)
+        stop = generate_request.stop_strings(request, tokenizer)
+        request_id, eos = uuid.uuid4().hex, self.started.engine.eos_token_ids
+        seqs = [Sequence(request_id, prompt, generate_request.sequence_params(params, index), sizing.max_model_len,
+                         eos, index=index) for index in range(generate_request.num_sequences(request))]
+        return seqs, stop
 
     def info(self) -> exec_pb2.ModelInfo:
         info = exec_pb2.ModelInfo(name=self.name, state=self.state, error=self.error)

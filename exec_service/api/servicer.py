@@ -13,8 +13,8 @@ import time
 import torch
 
 from exec_service.api import messages
-from exec_service.api.detokenizer import Detokenizer
 from exec_service.api.load_request import load_target
+from exec_service.api.sequence_output import SequenceOutput
 from exec_service.api.served_model import ServedModel
 from exec_service.startup.fetch import BundleFetcher
 from exec_service.startup.load_model import LoadTarget, StartedModel, start_model
@@ -107,20 +107,29 @@ class ExecServicer(exec_pb2_grpc.ExecServiceServicer):
     async def Generate(self, request, context):
         served = self._model(request.model, "model")
         engine = served.engine()
-        seq = served.new_sequence(request)
-        with self.telemetry.request_spans.track(served.name, seq):
-            stream = engine.add_request(seq)
-            detokenizer = Detokenizer(served.started.tokenizer) if served.started.tokenizer else None
-            done = False
+        seqs, stop = served.new_sequences(request)
+        first, *others = seqs
+        with self.telemetry.request_spans.track(served.name, first):
+            stream = engine.add_request(first, others)
+            outputs = [SequenceOutput(seq, served.started.tokenizer, stop) for seq in seqs]
+            live = len(outputs)
             try:
                 async for output in stream:
                     if output.error is not None:
                         raise output.error
-                    done = output.is_last
-                    yield messages.generate_response(output, detokenizer.add(output.token_ids) if detokenizer else "")
+                    sequence = outputs[output.index]
+                    if sequence.done:  # a stop string ended it; the engine's tokens after it are dropped
+                        continue
+                    response = sequence.response(output)
+                    if sequence.stopped:
+                        engine.end_sequence(sequence.seq)
+                    live -= sequence.done
+                    yield response
+                    if not live:
+                        break
             finally:
-                if not done:  # cancelled, deadline passed, or the client went away: free the blocks now
-                    engine.abort(seq.request_id)
+                if live:  # cancelled, deadline passed, or the client went away: free the blocks now
+                    engine.abort(first.request_id)
 
     @status_errors
     async def GetForwardStats(self, request, context):

@@ -7,6 +7,10 @@ from step N's output on the device; a sequence that step N finished or a client 
 N+1, whose token is dropped. Requests and cancellations arrive from the event loop through an inbox and are applied
 between steps. Each step's tokens go back to the Generate handlers through their RequestStreams; a step that fails
 fails its requests only, and the loop goes on.
+
+A request for n sequences of one prompt is one sequence first: the n-1 others wait here until its first token is
+read, so its prompt's KV has been computed before theirs is scheduled, and prefix caching can hand them its blocks
+rather than recompute them. Each sequence samples with its own seed, so none depends on when the others ran.
 """
 
 import asyncio
@@ -19,7 +23,7 @@ from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.model_runner import LaunchedStep, ModelRunner
 from exec_service.engine.request_stream import RequestOutput, RequestStream, deliver
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
-from exec_service.engine.sequence import Sequence
+from exec_service.engine.sequence import FinishReason, Sequence
 from kiln.errors import Internal, KilnError, ResourceExhausted, Unavailable, first_line, resource_error
 from kiln.runtime_mode import RuntimeMode
 from kiln.step_record import StepObserver, StepRecord
@@ -38,8 +42,11 @@ class Engine:
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, runner.kv_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._seeds = random.Random()  # noise seeds for requests that bring none
-        self._streams: dict[str, RequestStream] = {}
-        self._inbox: list[tuple[Sequence, RequestStream] | str] = []  # new requests, or request ids to abort
+        self._streams: dict[Sequence, RequestStream] = {}
+        # New requests (their sequences), request ids to abort, or sequences to end (a stop string matched).
+        self._inbox: list[tuple[list[Sequence], RequestStream] | str | Sequence] = []
+        self._held: dict[Sequence, list[Sequence]] = {}  # a request's first sequence -> the others, until its token
+        self._num_held = 0  # read on the event loop (num_waiting), so not summed over _held there
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
@@ -54,15 +61,18 @@ class Engine:
             self._wakeup.notify()
         self._thread.join()
         gone = error or Unavailable(f"model: {self.name!r} was unloaded")
-        for _, stream in [i for i in self._inbox if not isinstance(i, str)]:
+        for _, stream in [i for i in self._inbox if isinstance(i, tuple)]:
             stream.put(RequestOutput(error=gone))
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._end(seq, RequestOutput(error=gone))
 
     # Called on the event loop.
 
-    def add_request(self, seq: Sequence) -> RequestStream:
-        """Queue a request for the next step; RESOURCE_EXHAUSTED when it can never fit or the queue is full."""
+    def add_request(self, seq: Sequence, siblings: list[Sequence] | tuple = ()) -> RequestStream:
+        """Queue a request for the next step; RESOURCE_EXHAUSTED when it can never fit or the queue is full.
+
+        ``siblings``: the request's other sequences of the same prompt (n > 1), scheduled once ``seq``'s first token
+        is read; the stream carries all of them, each output with its sequence's index."""
         blocks = self.block_manager
         needed = blocks.max_blocks_held(seq.max_kv_tokens, self.config.max_num_batched_tokens)
         if needed > blocks.num_blocks:
@@ -70,28 +80,39 @@ class Engine:
             raise ResourceExhausted(
                 f"prompt_ids + max_tokens: {seq.max_kv_tokens} tokens need {needed} KV blocks{at_once}, the cache of "
                 f"{self.name!r} has {blocks.num_blocks}")
-        if seq.params.seed is None:
-            seq.noise_seed = self._seeds.getrandbits(63)
-        stream = RequestStream(asyncio.get_running_loop())
+        seqs = [seq, *siblings]
+        for each in seqs:
+            if each.params.seed is None:
+                each.noise_seed = self._seeds.getrandbits(63)
+        stream = RequestStream(asyncio.get_running_loop(), len(seqs))
         with self._wakeup:
             if self._stopping:
                 raise Unavailable(f"model: {self.name!r} is being unloaded")
-            if self.num_waiting >= self.config.max_num_waiting:
-                raise ResourceExhausted(f"model: {self.name!r} has {self.config.max_num_waiting} requests waiting "
-                                        f"(max_num_waiting); retry later")
-            self._inbox.append((seq, stream))
+            if self.num_waiting + len(seqs) > self.config.max_num_waiting:
+                raise ResourceExhausted(f"model: {self.name!r} has {self.num_waiting} of its max_num_waiting "
+                                        f"{self.config.max_num_waiting} sequences waiting, no room for {len(seqs)} "
+                                        f"more; retry later")
+            self._inbox.append((seqs, stream))
             self._wakeup.notify()
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request: its blocks are freed before the next step. A no-op when it already finished."""
+        """Cancel a request, every sequence of it: their blocks are freed before the next step. A no-op when it
+        already finished."""
         with self._wakeup:
             self._inbox.append(request_id)
             self._wakeup.notify()
 
+    def end_sequence(self, seq: Sequence) -> None:
+        """Finish one sequence with STOP before the next step (a stop string matched its text): no more tokens."""
+        with self._wakeup:
+            self._inbox.append(seq)
+            self._wakeup.notify()
+
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + sum(not isinstance(i, str) for i in self._inbox)
+        inbox = sum(len(i[0]) for i in self._inbox if isinstance(i, tuple))
+        return len(self.scheduler.waiting) + inbox + self._num_held
 
     @property
     def num_running(self) -> int:
@@ -119,10 +140,10 @@ class Engine:
             for item in inbox:
                 if isinstance(item, str):
                     self._abort(item)
+                elif isinstance(item, Sequence):
+                    self._end_sequence(item)
                 else:
-                    seq, stream = item
-                    self._streams[seq.request_id] = stream
-                    self.scheduler.add(seq)
+                    self._admit(*item)
             batch = self.scheduler.schedule()
             launched, failure = None, None
             if batch.entries:
@@ -138,10 +159,38 @@ class Engine:
         if in_flight is not None:
             self._finish(in_flight)
 
+    def _admit(self, seqs: list[Sequence], stream: RequestStream) -> None:
+        first, *others = seqs
+        for seq in seqs:
+            self._streams[seq] = stream
+        self.scheduler.add(first)
+        if others:
+            self._held[first] = others
+            self._num_held += len(others)
+
+    def _release_held(self, seq: Sequence) -> list[Sequence]:
+        """The sequences waiting for ``seq``'s first token, no longer waiting."""
+        others = self._held.pop(seq, [])
+        self._num_held -= len(others)
+        return others
+
     def _abort(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None:
+        cancelled = False
+        while (seq := self.scheduler.abort(request_id)) is not None:  # each of its sequences still scheduled
+            cancelled = True
+            self._release_held(seq)
+        for seq in [seq for seq in self._streams if seq.request_id == request_id]:
+            del self._streams[seq]
+        if cancelled:
             log.info("%s: request %s cancelled", self.name, request_id)
-        self._streams.pop(request_id, None)
+
+    def _end_sequence(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            seq.finish(FinishReason.STOP)
+            self.scheduler.drop(seq)
+        self._streams.pop(seq, None)
+        for sibling in self._release_held(seq):  # none once it has output, but never left waiting for it
+            self.scheduler.add(sibling)
 
     def _finish(self, step: LaunchedStep) -> None:
         """Read a launched step's tokens (the sync), append them and hand them to their streams."""
@@ -156,13 +205,19 @@ class Engine:
         outputs = []
         for entry, token_id in self.scheduler.postprocess(step.batch, token_ids):
             seq = entry.seq
+            logprobs = None
+            if seq.params.logprobs:
+                logprobs = [step.logprobs.of_row(step.rows[seq], token_id, seq.params.top_logprobs)]
             if seq.is_finished:
-                stream, output = self._streams.pop(seq.request_id, None), RequestOutput(
-                    [token_id], seq.finish_reason, seq.usage())
+                stream, output = self._streams.pop(seq, None), RequestOutput(
+                    [token_id], seq.finish_reason, seq.usage(), index=seq.index, logprobs=logprobs)
             else:
-                stream, output = self._streams.get(seq.request_id), RequestOutput([token_id])
+                stream, output = self._streams.get(seq), RequestOutput([token_id], index=seq.index,
+                                                                       logprobs=logprobs)
             if stream is not None:
                 outputs.append((stream, output))
+            for sibling in self._release_held(seq):  # its prompt's KV is computed: the others may reuse it now
+                self.scheduler.add(sibling)
         deliver(outputs)
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> None:
@@ -175,7 +230,10 @@ class Engine:
                 self._end(entry.seq, RequestOutput(error=error))
 
     def _end(self, seq: Sequence, output: RequestOutput) -> None:
-        stream = self._streams.pop(seq.request_id, None)
+        """End ``seq``'s request with an error; the request's sequences still held go with it."""
+        stream = self._streams.pop(seq, None)
+        for sibling in self._release_held(seq):
+            self._streams.pop(sibling, None)
         if stream is not None:
             stream.put(output)
 

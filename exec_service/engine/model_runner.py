@@ -16,7 +16,8 @@ from exec_service.engine import kv_cache
 from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.forward_timer import ForwardTimer
-from exec_service.engine.sampler import sample
+from exec_service.engine.sampler import SampledLogprobs, logprobs, sample
+from exec_service.engine.sampling_options import sampling_options
 from exec_service.engine.scheduler import ScheduledBatch
 from exec_service.engine.sequence import Sequence
 from exec_service.engine.step_inputs import StepBuffers
@@ -46,6 +47,7 @@ class LaunchedStep:
     timer: ForwardTimer
     host: torch.Tensor  # [S] int64 (pinned on CUDA), where ``sampled`` is copied to
     ready: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is done at once)
+    logprobs: SampledLogprobs | None = None  # on the host once ``ready``; when a sequence of the step asked for them
 
     def token_ids(self) -> list[int]:
         if self.ready is not None:
@@ -161,9 +163,14 @@ class ModelRunner:
                 hidden = self.cudagraphs.replay(padded)
             else:
                 hidden = self._forward(inputs.input_ids, inputs.positions, inputs.metadata)
-        sampled = sample(self.token_model.logits(hidden[inputs.sample_rows]), inputs.sampling)
+        logits = self.token_model.logits(hidden[inputs.sample_rows])
+        options = sampling_options(batch.sampling_entries, inputs.input_ids[inputs.sample_rows], logits.shape[-1])
+        sampled = sample(logits, inputs.sampling, options)
         host = self.buffers.sampled_host[parity][:sampled.shape[0]]
         host.copy_(sampled, non_blocking=True)
+        host_logprobs = None
+        if options is not None and options.num_top_logprobs is not None:
+            host_logprobs = logprobs(logits, sampled, options.num_top_logprobs).to_host()
         ready = None
         if self._ready is not None:
             ready = self._ready[parity]
@@ -171,7 +178,7 @@ class ModelRunner:
         mode = RuntimeMode.CUDAGRAPH if padded is not None else RuntimeMode.EAGER if self.compiled is None \
             else RuntimeMode.COMPILED
         rows = {e.seq: row for row, e in enumerate(batch.sampling_entries)}
-        return LaunchedStep(batch, sampled, rows, mode, padded or inputs.num_tokens, timer, host, ready)
+        return LaunchedStep(batch, sampled, rows, mode, padded or inputs.num_tokens, timer, host, ready, host_logprobs)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         with forward_context(ForwardContext(self.kv_caches, metadata)):

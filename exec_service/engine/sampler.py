@@ -1,4 +1,5 @@
-"""Sampling on the device for a whole step at once: greedy, temperature, top-k, top-p and seeds, no host sync.
+"""Sampling on the device for a whole step at once: greedy, temperature, top-k, top-p, seeds, penalties, min_tokens
+and logprobs, no host sync.
 
 A sampled row takes ``argmax(logits / temperature + gumbel)`` (the Gumbel-max trick: token i wins with probability
 ``softmax(logits / temperature)[i]``). The noise is counter-based, as in vLLM's GPU model runner: a hash of the
@@ -6,12 +7,19 @@ request's seed, the position of the token being sampled and the token id. So a r
 and logits only: not on which requests share its steps, on how often it was preempted and recomputed, or on a
 speculative step whose token was thrown away. Requests without a seed are given a random one when they arrive.
 
+Penalties and min_tokens act on the logits first, row by row (a row without them is left as it is), so they change
+what greedy and sampled rows take alike. Logprobs are of the model's own distribution, ``log_softmax(logits)``
+before penalties, temperature, top-k and top-p (vLLM's default, ``raw_logprobs``): what the model thinks of the
+token, whichever way it was drawn.
+
 Nothing here reads the device; the engine copies the sampled ids back once per step.
 """
 
 from dataclasses import dataclass
 
 import torch
+
+from exec_service.engine.sampling_options import Penalties, SamplingOptions
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31 (MurmurHash2's and xxHash32's), so no int64 product of a 32-bit value overflows.
@@ -32,8 +40,44 @@ class SamplingTensors:
     any_top_k_top_p: bool
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """logits [S, V] float32 -> [S] int64 token ids, on the logits' device."""
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and its position's most likely tokens, most likely first (host values)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class SampledLogprobs:
+    """Per sampled row: the sampled token's log-probability and the ``k`` most likely tokens' (k may be 0)."""
+
+    logprob: torch.Tensor  # [S] float32
+    top_ids: torch.Tensor  # [S, k] int64
+    top_logprobs: torch.Tensor  # [S, k] float32
+
+    def to_host(self) -> "SampledLogprobs":
+        """Copies queued into pinned memory on CUDA (read them after the step's sync)."""
+        pin = self.logprob.device.type == "cuda"
+        return SampledLogprobs(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=True)
+                                 for t in (self.logprob, self.top_ids, self.top_logprobs)))
+
+    def of_row(self, row: int, token_id: int, num_top: int) -> TokenLogprobs:
+        ids, logprobs = self.top_ids[row, :num_top].tolist(), self.top_logprobs[row, :num_top].tolist()
+        return TokenLogprobs(token_id, self.logprob[row].item(), tuple(zip(ids, logprobs, strict=True)))
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors, options: SamplingOptions | None = None) -> torch.Tensor:
+    """logits [S, V] float32 -> [S] int64 token ids, on the logits' device; ``logits`` is left as it is."""
+    if options is not None:
+        logits = logits.clone()
+        if options.banned is not None:
+            # torch.full fills on the device; torch.tensor(value, device=...) would copy from pageable memory and
+            # wait for the step in flight.
+            logits.index_put_(options.banned, torch.full((), float("-inf"), device=logits.device))
+        if options.penalties is not None:
+            _penalise(logits, options.penalties)
     greedy = logits.argmax(dim=-1)
     if params.all_greedy:
         return greedy
@@ -44,6 +88,23 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     uniform = counter_uniform(params.seeds, params.positions, logits.shape[-1])
     sampled = scaled.add_(uniform.log_().neg_().log_().neg_()).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
+
+
+def logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_top: int) -> SampledLogprobs:
+    """The raw model distribution's log-probabilities of ``sampled`` [S] and of each row's ``num_top`` best."""
+    all_logprobs = logits.log_softmax(dim=-1)
+    top = all_logprobs.topk(num_top, dim=-1)
+    return SampledLogprobs(all_logprobs.gather(1, sampled[:, None])[:, 0], top.indices, top.values)
+
+
+def _penalise(logits: torch.Tensor, p: Penalties) -> None:
+    """Repetition (transformers' RepetitionPenaltyLogitsProcessor), then frequency and presence (OpenAI's), in
+    place on the penalised rows."""
+    rows = logits.index_select(0, p.rows)
+    repetition = p.repetition[:, None]
+    rows = torch.where(p.seen, torch.where(rows < 0, rows * repetition, rows / repetition), rows)
+    rows -= p.frequency[:, None] * p.output_counts + p.presence[:, None] * (p.output_counts > 0)
+    logits.index_copy_(0, p.rows, rows)
 
 
 def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -14,10 +14,21 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # OpenAI's: subtracted from the logit of a token once if it is in the output (presence), once per time (frequency).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # transformers' and vLLM's: divides (multiplies) the positive (negative) logit
+    min_tokens: int = 0  # no end-of-sequence or stop token before this many output tokens
+    logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the most likely alternatives per position
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 class FinishReason(enum.StrEnum):
@@ -72,6 +83,7 @@ class Sequence:
     first_token_s: float | None = None
     finished_s: float | None = None
     noise_seed: int = 0  # keys the sampler's noise: the request's seed, or a random one the engine gives it
+    index: int = 0  # which of its request's n sequences (they share the request id)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -113,11 +125,16 @@ class Sequence:
         """Tokens whose keys and values the cache must hold at the longest: the last sampled token never runs."""
         return self.max_total_tokens - 1
 
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The tokens that finish it when sampled: its stop tokens and, unless ignored, end-of-sequence."""
+        return self.params.stop_token_ids if self.params.ignore_eos else self.params.stop_token_ids | self.eos_token_ids
+
     def append_token(self, token_id: int) -> None:
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter()
         self.token_ids.append(token_id)
-        if token_id in self.params.stop_token_ids or (not self.params.ignore_eos and token_id in self.eos_token_ids):
+        if token_id in self.end_token_ids:
             self.finish(FinishReason.STOP)
         elif len(self.token_ids) >= self.max_total_tokens:
             self.finish(FinishReason.LENGTH)

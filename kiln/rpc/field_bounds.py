@@ -28,8 +28,9 @@ MAX_BLOCK_SIZE = 256  # tokens per KV block
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CHUNK_BYTES = 4 << 20  # GetArtifact's largest chunk, far below gRPC's message limit
 MAX_SEED = (1 << 63) - 1  # any non-negative 64-bit seed
-MAX_N = 16  # sequences sampled from one prompt
+MAX_N = 64  # sequences sampled from one prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ BOUNDS: dict[str, Bound] = {
     "kiln.v1.GenerateRequest.top_logprobs": Bound(0, MAX_TOP_LOGPROBS),
     "kiln.v1.GenerateRequest.presence_penalty": Bound(-2, 2),
     "kiln.v1.GenerateRequest.frequency_penalty": Bound(-2, 2),
-    "kiln.v1.GenerateRequest.repetition_penalty": Bound(0, 2, low_open=True, note="unset means 1"),
+    "kiln.v1.GenerateRequest.repetition_penalty": Bound(0, MAX_REPETITION_PENALTY, low_open=True,
+                                                        note="unset means 1"),
     "kiln.v1.GenerateRequest.min_tokens": Bound(0, MAX_TOKENS_PER_SEQUENCE),
     "kiln.v1.GenerateRequest.n": Bound(0, MAX_N, note="0 means 1"),
 }
