@@ -9,6 +9,7 @@ request message without a line here fails ``tests/test_faults_bounds.py``, which
 """
 
 import math
+import struct
 from dataclasses import dataclass
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -121,12 +122,28 @@ def _check(message: Message, prefix: str) -> None:
         for i, item in enumerate(values):
             if not bound.holds(item):
                 where = f"{name}[{i}]" if _repeated(field) else name
-                raise InvalidArgument(f"{where}: {_number(item)} is outside {bound.says()}")
+                raise InvalidArgument(f"{where}: {_sent(item)} is outside {bound.says()}")
 
 
 def _repeated(field: FieldDescriptor) -> bool:
     return field.is_repeated
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _number(value: float) -> str:
+    """A bound as written (``10``, ``0.5``)."""
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _sent(value: float) -> str:
+    """A value as the client wrote it: a float32 field's shortest decimal (``0.8``, ``11.0``), not its widening."""
+    if not isinstance(value, float) or not math.isfinite(value):
+        return str(value)
+    for digits in range(1, 18):
+        shortest = float(f"{value:.{digits}g}")
+        if shortest == value or (abs(shortest) <= _FLOAT32_MAX
+                                 and struct.unpack("f", struct.pack("f", shortest))[0] == value):
+            return repr(shortest)
+    return repr(value)
