@@ -90,7 +90,7 @@ def test_a_config_json_swapped_for_a_link_is_never_read_outside_the_root(tmp_pat
                     refused.append((exc.code(), exc.details()))
                     continue
                 vocabs.append(json.loads(event.result.key_factors_json)["model_config"]["vocab_size"])
-        assert swapper.swaps > 100
+        assert swapper.swaps > 10, "the path was hardly swapped: no race was run"
     finally:
         channel.close()
         server.stop()

@@ -1,9 +1,12 @@
 """The compile service's SIGSEGV (issue 23): many cold CUDA compiles in a row through a `kiln compile-server` started
 by kiln_cli.service_process (the benches' and `kiln demo`'s path), with tracing off and on, and a SIGTERM at the
 end. Every Compile must end with a result, the process must still run after each and exit 0 on SIGTERM, and its
-log must hold no fatal error (faulthandler would have written the stack of every thread there).
+log must hold no fatal error (faulthandler would have written the stack of every thread there, and a failure
+prints the log's end). Each mode runs with Inductor's compile workers as configured (a sidecar process pool,
+started from the compile's worker thread) and with them off (TORCHINDUCTOR_COMPILE_THREADS=1), so that a crash in
+one and not the other says where to look.
 
-    KILN_CRASH_COMPILES=N  cold compiles per tracing mode (default 6)
+    KILN_CRASH_COMPILES=N  cold compiles per run (default 4)
 """
 
 import json
@@ -21,7 +24,7 @@ from protos import common_pb2, compile_pb2, compile_pb2_grpc
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMPILES = int(os.environ.get("KILN_CRASH_COMPILES", "6"))
+COMPILES = int(os.environ.get("KILN_CRASH_COMPILES", "4"))
 FATAL = ("Fatal Python error", "Segmentation fault", "core dumped", "Aborted")
 
 
@@ -32,8 +35,9 @@ def small_llama(i: int) -> str:
                        "max_position_embeddings": 1024})
 
 
+@pytest.mark.parametrize("workers", ["pool", "none"])
 @pytest.mark.parametrize("tracing", ["off", "on"])
-def test_cold_compiles_in_a_loop_never_crash_the_compile_service(tmp_path, tracing):
+def test_cold_compiles_in_a_loop_never_crash_the_compile_service(tmp_path, tracing, workers):
     from tracing.otlp_receiver import OtlpReceiver
 
     generate_key_pair(tmp_path / "keys")
@@ -42,6 +46,8 @@ def test_cold_compiles_in_a_loop_never_crash_the_compile_service(tmp_path, traci
         "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    if workers == "none":
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     if receiver is not None:
         env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     port = free_port()
@@ -65,9 +71,9 @@ def test_cold_compiles_in_a_loop_never_crash_the_compile_service(tmp_path, traci
                 except grpc.RpcError as exc:
                     outcomes.append(f"{exc.code().name}: {exc.details()}")
                 assert service.process.poll() is None, (
-                    f"compile {i} (tracing {tracing}): the service exited with {service.process.returncode}; "
-                    f"outcomes {outcomes}\n{service.log_tail(200)}")
-        assert outcomes == ["compiled"] * COMPILES, outcomes
+                    f"compile {i} (tracing {tracing}, workers {workers}): the service exited with "
+                    f"{service.process.returncode}; outcomes {outcomes}\n{service.log_tail(200)}")
+        assert outcomes == ["compiled"] * COMPILES, f"{outcomes}\n{service.log_tail(200)}"
         assert service.stop(timeout=120) == 0
     finally:
         service.kill()
