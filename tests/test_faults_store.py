@@ -22,7 +22,7 @@ from kiln.store.artifact_store import FilesystemStore
 from kiln.store.bundle import CorruptBundle, UntrustedBundle
 from kiln.store.redis_store import RedisStore, StoreUnavailable
 from kiln.store.signing import Signer, TrustedKeys, generate_key_pair
-from protos import common_pb2, compile_pb2, compile_pb2_grpc
+from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
 CHUNK = 4096
 
@@ -262,3 +262,44 @@ def test_a_compile_waiting_on_a_held_lock_gives_up_at_the_calls_deadline(backend
         server.stop()
         if redis:
             redis.stop()
+
+
+def test_a_replicas_load_model_refuses_planted_and_forged_entries_before_reading_a_chunk(redis_server, tmp_path,
+                                                                                          signer, trusted_keys):
+    """Through an execute replica on the shared Redis, LoadModel by key: an unsigned entry claiming 10^9 chunks and
+    a bundle another key signed are FAILED_PRECONDITION, a genuine bundle whose chunk size was altered DATA_LOSS;
+    no chunk is read and nothing reaches the replica's disk."""
+    from exec_service.server import ExecServerSettings, start_exec_server
+
+    forger = RedisStore(redis_server.url(), tmp_path / "forger", chunk_bytes=CHUNK,
+                        signer=Signer.load(generate_key_pair(tmp_path / "other")[0]))
+    genuine = RedisStore(redis_server.url(), tmp_path / "genuine", chunk_bytes=CHUNK, signer=signer)
+    forged, planted, altered = key_of("forged"), key_of("planted"), key_of("altered")
+    commit(forger, forged, os.urandom(16 * CHUNK))
+    commit(genuine, altered, os.urandom(16 * CHUNK))
+    client = redis_server.client()
+    client.hset(f"kiln:bundle:{altered}", "chunk_bytes", 1)
+    manifest = bundle.Manifest(key=planted, model="m", config_summary="s", num_pieces=1, num_splits=0, timings={},
+                               created_unix=0.0, files={bundle.compiled_layer_file(0): {"sha256": "0" * 64,
+                                                                                         "size": 10**9 * CHUNK}})
+    client.hset(f"kiln:bundle:{planted}", mapping={
+        "manifest": manifest.to_json(), "generation": "c" * 32, "chunk_bytes": CHUNK, "chunks": "[" * 10**6})
+    server = BackgroundServer(lambda: start_exec_server(ExecServerSettings(
+        "127.0.0.1:0", trusted_keys, None, store=redis_server.url(), cache_dir=tmp_path / "cache")))
+    channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
+    before = getranges(redis_server)
+    try:
+        stub = exec_pb2_grpc.ExecServiceStub(channel)
+        for key, code, says in ((planted, grpc.StatusCode.FAILED_PRECONDITION, "unsigned"),
+                                (forged, grpc.StatusCode.FAILED_PRECONDITION, "is not a trusted key here"),
+                                (altered, grpc.StatusCode.DATA_LOSS, "its chunk_bytes b'1' is not a number in")):
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.LoadModel(exec_pb2.LoadModelRequest(
+                    name=f"m{key[:6]}", model=common_pb2.ModelSpec(preset="tiny-llama"),
+                    config=common_pb2.CompileConfig(device="cpu"), key=common_pb2.ArtifactKey(digest=key)), timeout=60))
+            assert refused.value.code() == code and says in refused.value.details(), refused.value.details()
+    finally:
+        channel.close()
+        server.stop()
+    assert getranges(redis_server) == before
+    assert not list((tmp_path / "cache").glob("*/*"))
