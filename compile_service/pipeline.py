@@ -49,9 +49,11 @@ class CompileOutcome:
 
 
 def compile_model(model: ResolvedModel, config: CompileConfig, store: ArtifactStore,
-                  progress: ProgressFn = lambda *a: None) -> CompileOutcome:
+                  progress: ProgressFn = lambda *a: None, deadline: float | None = None) -> CompileOutcome:
+    """The bundle of ``model`` under ``config``, compiled unless the store has it; waiting for the key's lock ends
+    at ``deadline`` (the call's), so a worker thread never waits on behalf of a client that gave up."""
     with spans.phase_span(spans.COMPILE, model=model.name) as span:
-        outcome = _compile_or_hit(model, config, store, progress)
+        outcome = _compile_or_hit(model, config, store, progress, deadline)
         span.set_attributes({spans.CACHE_KEY: outcome.key, spans.CACHE_HIT: outcome.cache_hit,
                              spans.NUM_PIECES: outcome.num_pieces, spans.BYTES: outcome.bundle_bytes})
         return outcome
@@ -75,13 +77,13 @@ def _hit(key: str, factors: dict, path, start: float) -> CompileOutcome:
 
 
 def _compile_or_hit(model: ResolvedModel, config: CompileConfig, store: ArtifactStore,
-                    progress: ProgressFn) -> CompileOutcome:
+                    progress: ProgressFn, deadline: float | None) -> CompileOutcome:
     start = time.perf_counter()
     factors = cache_key.key_factors(model, config)
     key = cache_key.digest(factors)
     key_s = time.perf_counter() - start
     progress("key", 0, 0, "", "")
-    with store.lock(key):
+    with store.lock(key, deadline):
         path = store.get(key)
         if path is not None:
             log.info("compile %s: cache hit %s", model.name, key[:12])

@@ -25,7 +25,7 @@ from kiln.rpc.grpc_server import (
     status_errors,
 )
 from kiln.store import bundle
-from kiln.store.artifact_store import ArtifactStore, check_key
+from kiln.store.artifact_store import ArtifactStore, check_key, is_key
 from kiln.store.bundle import CorruptBundle, UntrustedBundle
 from kiln.store.location import open_store
 from kiln.store.signing import Signer, TrustedKeys
@@ -66,7 +66,10 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
                                                     region=region, elapsed_s=time.monotonic() - started))
 
         # The worker thread runs in a copy of this context, so the compile's spans are children of this call's span.
-        job = in_worker_thread(compile_model, model, config, self.store, progress)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        job = in_worker_thread(compile_model, model, config, self.store, progress, deadline)
+        job.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when the client left
         try:
             async for event in events.until_done(job):
                 yield compile_pb2.CompileEvent(progress=event)
@@ -102,15 +105,19 @@ class CompileServicer(compile_pb2_grpc.CompileServiceServicer):
 
     @status_errors
     async def ListArtifacts(self, request, context):
+        listing = await asyncio.to_thread(self.store.list)
         infos = [
             compile_pb2.ArtifactInfo(
                 key=common_pb2.ArtifactKey(digest=a.manifest.key), model=a.manifest.model,
                 config_summary=a.manifest.config_summary, size_bytes=a.manifest.total_bytes,
                 created_unix=a.manifest.created_unix, last_used_unix=a.last_used_unix,
                 num_pieces=a.manifest.num_pieces)
-            for a in self.store.list()
+            for a in listing.artifacts
         ]
-        return compile_pb2.ListArtifactsResponse(artifacts=infos)
+        for name in filter(is_key, listing.unreadable):  # a writer's get takes a bad entry out of the store
+            await asyncio.to_thread(self._recheck, name)
+        return compile_pb2.ListArtifactsResponse(artifacts=infos, unreadable=[
+            compile_pb2.UnreadableArtifact(name=name, reason=reason) for name, reason in listing.unreadable.items()])
 
     @status_errors
     async def DeleteArtifact(self, request, context):

@@ -78,9 +78,10 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
              time.perf_counter() - started)
     shared = settings.store is not None
     # The fetcher verifies each bundle's signature and sha256s itself: the store only finds them (Redis checks the
-    # sha256s of what it streams into its local copies). A replica only reads a shared store.
+    # signature before it downloads a byte, and the sha256s of what it streams into its local copies). A replica
+    # only reads a shared store.
     store = open_store(settings.store if shared else settings.cache_dir, settings.cache_dir, read_only=shared,
-                       verify=False)
+                       trusted=settings.trusted, verify=False)
     # Instrumented (once init_tracing ran): Compile and GetArtifact carry this trace to the compile service.
     client = settings.client
     channel = instrumented_channel(settings.compile_address, COMPILE_CHANNEL_OPTIONS, credentials=client.credentials(),

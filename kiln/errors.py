@@ -36,6 +36,12 @@ class FailedPrecondition(KilnError):
     code = "FAILED_PRECONDITION"
 
 
+class DeadlineExceeded(KilnError):
+    """The call's deadline passed while it waited (for a lock another request holds): the worker gives up too."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 class ResourceExhausted(KilnError):
     code = "RESOURCE_EXHAUSTED"
 

@@ -110,10 +110,14 @@ def child_environment() -> dict:
 
     OTEL_SERVICE_NAME is left out: each server names itself (kiln-compile, kiln-exec), and one shared name would
     merge the two services in Jaeger. So are the security settings (KILN_TLS_*, tokens, keys, roots): meant for
-    some other deployment, they would turn the local plaintext pair against itself.
+    some other deployment, they would turn the local plaintext pair against itself. PYTHONFAULTHANDLER is set, so
+    that a crash leaves its stack in the log.
     """
     env = {k: v for k, v in os.environ.items() if k != "OTEL_SERVICE_NAME" and not k.startswith(_SECURITY_ENV)}
     env["PYTHONUNBUFFERED"] = "1"
+    # A native crash anywhere in the child, or in a process it starts (Inductor's compile workers inherit this),
+    # leaves the Python stack of every thread in its log, from the first import on.
+    env["PYTHONFAULTHANDLER"] = "1"
     return env
 
 

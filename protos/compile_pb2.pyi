@@ -110,10 +110,20 @@ class ArtifactInfo(_message.Message):
     def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., model: _Optional[str] = ..., config_summary: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., last_used_unix: _Optional[float] = ..., num_pieces: _Optional[int] = ...) -> None: ...
 
 class ListArtifactsResponse(_message.Message):
-    __slots__ = ("artifacts",)
+    __slots__ = ("artifacts", "unreadable")
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    UNREADABLE_FIELD_NUMBER: _ClassVar[int]
     artifacts: _containers.RepeatedCompositeFieldContainer[ArtifactInfo]
-    def __init__(self, artifacts: _Optional[_Iterable[_Union[ArtifactInfo, _Mapping]]] = ...) -> None: ...
+    unreadable: _containers.RepeatedCompositeFieldContainer[UnreadableArtifact]
+    def __init__(self, artifacts: _Optional[_Iterable[_Union[ArtifactInfo, _Mapping]]] = ..., unreadable: _Optional[_Iterable[_Union[UnreadableArtifact, _Mapping]]] = ...) -> None: ...
+
+class UnreadableArtifact(_message.Message):
+    __slots__ = ("name", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DeleteArtifactRequest(_message.Message):
     __slots__ = ("key",)

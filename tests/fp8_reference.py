@@ -29,6 +29,7 @@ class DequantizedLinear(torch.nn.Module):
         return (out if self.bias is None else out + self.bias.float()).to(x.dtype)
 
 
+@torch.no_grad()  # the slices of merged weights and biases stay leaves: the judge deep-copies the reference
 def dequantized_reference(token_model) -> torch.nn.Module:
     """transformers' model with Kiln's weights, each FP8 linear replaced by its dequantized plain-torch form."""
     from kiln.quantization.fp8_linear import Fp8Linear

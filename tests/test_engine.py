@@ -55,8 +55,8 @@ class FailingOnce:
         return self._execute(batch, *args)
 
 
-@pytest.fixture
-def engine():
+def tiny_runner() -> ModelRunner:
+    """The eager tiny model's runner in this process, its steps failing on demand (FailingOnce)."""
     resolved = resolve(TINY_MODEL, "cpu")
     loaded = load_weights(resolved, CONFIG, "dummy", 0)
     spec = KVCacheSpec.from_config(resolved.config, CONFIG.block_size, resolved.dtype)
@@ -64,7 +64,12 @@ def engine():
     runner = ModelRunner(CONFIG, ModelForward(loaded.token_model), kv_sizing.allocate(spec, blocks, "cpu", 0),
                          StepBuffers.for_config(CONFIG, resolved.config.vocab_size))
     runner.execute = FailingOnce(runner.execute)
-    engine = Engine("tiny", runner, CONFIG, frozenset())
+    return runner
+
+
+@pytest.fixture
+def engine():
+    engine = Engine("tiny", tiny_runner(), CONFIG, frozenset())
     engine.start()
     yield engine
     engine.stop()

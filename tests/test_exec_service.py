@@ -3,7 +3,6 @@
 Greedy output is checked token for token against transformers' own ``generate`` on the same weights.
 """
 
-import dataclasses
 import json
 import shutil
 import threading
@@ -16,7 +15,6 @@ import torch
 from conftest import ANOTHER_TORCH, TINY_MODEL, BackgroundServer, load_model
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from exec_service.engine.engine_config import EngineConfig
 from exec_service.server import ExecServerSettings, start_exec_server
 from kiln.compilation.counters import compile_counts
 from kiln.errors import InvalidArgument
@@ -404,17 +402,21 @@ def test_bad_piecewise_capture_sizes_are_refused_naming_the_field(exec_stub):
         assert text in exc.value.details(), (fields, exc.value.details())
 
 
-def test_piecewise_capture_sizes_within_the_compiled_range():
-    """The default sizes stop at the step token budget; a size over it, once the bundle's range settled it, is
-    refused naming the field. Off is no size at all."""
-    config = EngineConfig(device="cuda", runtime_mode=RuntimeMode.CUDAGRAPH, max_model_len=512, max_num_seqs=8,
-                          max_num_batched_tokens=0, block_size=16, gpu_memory_utilization=0.9, kv_cache_bytes=0,
-                          capture_sizes=(), max_num_waiting=8, piecewise_capture_sizes=None)
-    assert config.within_token_range(100).piecewise_capture_sizes == (8, 16, 32, 48, 64, 96)
-    assert dataclasses.replace(config, piecewise_capture_sizes=()).within_token_range(100).piecewise_capture_sizes \
-        == ()
+def test_piecewise_capture_sizes_within_the_step_budget():
+    """The default sizes stop at the step token budget; a size over it is refused naming the field. Off ([0]) is no
+    size at all, and so is any mode but cudagraph when none is asked for."""
+    from exec_service.api.load_request import piecewise_capture_sizes
+
+    def sizes(*asked: int, mode=RuntimeMode.CUDAGRAPH, budget=100):
+        return piecewise_capture_sizes(exec_pb2.LoadModelRequest(piecewise_capture_sizes=asked), mode, budget)
+
+    assert sizes() == (8, 16, 32, 48, 64, 96)
+    assert sizes(0) == () and sizes(mode=RuntimeMode.COMPILED) == ()
+    assert sizes(64, 16, 16) == (16, 64)
     with pytest.raises(InvalidArgument, match="piecewise_capture_sizes: 512 exceeds max_num_batched_tokens 256"):
-        dataclasses.replace(config, piecewise_capture_sizes=(16, 512)).within_token_range(256)
+        sizes(16, 512, budget=256)
+    with pytest.raises(InvalidArgument, match="piecewise_capture_sizes: given, but runtime_mode is compiled"):
+        sizes(16, mode=RuntimeMode.COMPILED)
 
 
 def test_graphs_that_leave_no_kv_block_name_the_fields_to_lower():

@@ -254,7 +254,8 @@ def test_a_bad_model_config_gets_the_callers_status(compile_stub, spec, code, me
 
 def test_bad_load_requests_get_the_callers_status(exec_stub, tiny_loaded):
     cases = [
-        (dict(kv_cache_bytes=1 << 50), grpc.StatusCode.RESOURCE_EXHAUSTED, "kv_cache_bytes: 1125899906842624 bytes"),
+        (dict(kv_cache_bytes=1 << 39), grpc.StatusCode.RESOURCE_EXHAUSTED, "kv_cache_bytes: 549755813888 bytes"),
+        (dict(kv_cache_bytes=1 << 50), grpc.StatusCode.INVALID_ARGUMENT, "kv_cache_bytes: 1125899906842624 is outside"),
         (dict(weights="/tmp/" + "w" * 300), grpc.StatusCode.INVALID_ARGUMENT, "weights: '/tmp/www"),
     ]
     for fields, code, message in cases:

@@ -31,7 +31,7 @@ from kiln.quantization.fp8_linear import FP8, fp8_linear, quantize_rows
 from protos import common_pb2, exec_pb2
 
 LOGIT_BOUND = 1e-4  # float32 model: the same FP8 math in another summation order
-FP8_CONFIG = common_pb2.CompileConfig(device="cpu", max_num_batched_tokens=64, quantization="fp8")
+FP8_CONFIG = common_pb2.CompileConfig(device="cpu", max_compiled_tokens=64, quantization="fp8")
 PROMPTS = [prompt_of(n, salt) for salt, n in enumerate([3, 17, 40])]
 MAX_TOKENS = 8
 
@@ -233,7 +233,7 @@ def test_an_fp8_layer_runs_one_scaled_mm_per_projection_group():
 
     resolved = resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu")
     module = build_model(resolved, "cpu", quantization="fp8")
-    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_num_batched_tokens=64))
+    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_compiled_tokens=64))
     counts = []
 
     def count_products(gm, example_inputs):

@@ -82,7 +82,7 @@ def test_family_fp8_with_fp8_kv_in_cuda_graphs(gpu_stub, tmp_path, model_type):
     spec = common_pb2.ModelSpec(hf_dir=str(tmp_path), dtype="bfloat16")
     request = exec_pb2.LoadModelRequest(
         name=name, model=spec, weights=str(tmp_path),
-        config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256, quantization="fp8"),
+        config=common_pb2.CompileConfig(device="cuda", max_compiled_tokens=256, quantization="fp8"),
         max_model_len=512, max_num_seqs=8, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH, kv_cache_bytes=64 << 20,
         capture_sizes=[1, 2, 4, 8], kv_cache_dtype="fp8_e4m3")
     ready = list(gpu_stub.LoadModel(request))[-1].ready

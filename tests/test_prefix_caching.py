@@ -11,21 +11,18 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
-from conftest import TINY_MODEL, load_model
-from test_engine import CONFIG, FailingOnce, outcome
+from conftest import load_model
+from test_engine import CONFIG, outcome, tiny_runner
 from test_kv_window import load_windowed, window_dirs  # noqa: F401  (a fixture)
 
 from exec_service.engine.block_hash import block_hash, extend_chain, model_root
 from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_loop import Engine
-from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.engine.step_inputs import StepBuffers
-from exec_service.startup import kv_sizing
 from kiln.attention import reference as attention_reference
 from kiln.attention.forward_context import AttentionMetadata
-from kiln.model.spec import resolve
 from protos import common_pb2, exec_pb2
 
 ROOT = model_root({"model": "test"})
@@ -242,12 +239,7 @@ def test_triton_attends_a_cache_hit_as_the_whole_prefill():
 
 def tiny_engine(prefix_root: bytes | None) -> Engine:
     """The eager tiny model in process (tests/test_engine.py's), its steps failing on demand."""
-    runner = ModelRunner(resolve(TINY_MODEL, "cpu"), CONFIG)
-    runner.load_weights("dummy", 0)
-    runner.allocate_kv_cache(kv_sizing.num_blocks(kv_sizing.memory_budget(CONFIG, runner.weights_bytes, 0),
-                                                  runner.kv_cache_spec, CONFIG.max_model_len))
-    runner.execute = FailingOnce(runner.execute)
-    engine = Engine("tiny", runner, CONFIG, frozenset(), prefix_root=prefix_root)
+    engine = Engine("tiny", tiny_runner(), CONFIG, frozenset(), prefix_root=prefix_root)
     engine.start()
     return engine
 

@@ -83,11 +83,11 @@ def test_a_committed_bundle_is_read_whole_by_another_replica_in_bounded_chunks(r
     assert len(sizes) == 12 and max(sizes) == CHUNK, "bounded chunks, never one huge value"
     assert all(client.ttl(k) == -1 for k in chunk_keys(redis_server, key)), "committed chunks do not expire"
 
-    (listed,) = store.list()
+    (listed,) = store.list().artifacts
     assert listed.manifest.key == key and abs(listed.last_used_unix - time.time()) < 60
     assert replica.list() == store.list()
     assert store.delete(key) == len(payload) + len(json.dumps({"for": key}))
-    assert replica.get(key) is None and store.list() == [] and not chunk_keys(redis_server, key)
+    assert replica.get(key) is None and store.list().artifacts == [] and not chunk_keys(redis_server, key)
     assert not (tmp_path / "replica-cache" / key).exists(), "a deleted bundle's local copy goes too"
 
 
@@ -159,7 +159,7 @@ def test_nothing_half_written_is_visible_when_the_writer_is_killed_mid_upload(re
     client = redis_server.client()
     assert all(0 < client.ttl(k) <= 3600 for k in partial), "orphaned chunks expire on their own"
     reader = writer(redis_server, tmp_path / "reader", read_only=True)
-    assert reader.get(key) is None and reader.list() == []
+    assert reader.get(key) is None and reader.list().artifacts == []
     assert not client.exists(f"kiln:bundle:{key}")
 
 
@@ -231,7 +231,7 @@ def test_an_altered_chunk_is_refused_by_a_replica_and_removed_by_a_compile_servi
     other = writer(redis_server, tmp_path / "other-compile")
     with other.lock(key):
         assert other.get(key) is None, "a compile service sees a miss and compiles it again"
-    assert not redis_server.client().exists(f"kiln:bundle:{key}") and store.list() == []
+    assert not redis_server.client().exists(f"kiln:bundle:{key}") and store.list().artifacts == []
 
 
 def test_an_unreachable_store_is_unavailable_naming_it_and_nothing_is_lost(redis_server, tmp_path):
@@ -260,7 +260,7 @@ def test_the_password_comes_from_the_environment_and_never_into_the_location(tmp
         monkeypatch.setenv("KILN_STORE_PASSWORD", "s3cret")
         store = writer(server, tmp_path / "b")
         commit(store, key_of("k"), b"secret-protected")
-        assert [a.manifest.key for a in store.list()] == [key_of("k")]
+        assert [a.manifest.key for a in store.list().artifacts] == [key_of("k")]
         in_url = RedisStore(f"redis://user:s3cret@127.0.0.1:{server.port}/0", tmp_path / "c")
         assert in_url.location == f"redis://127.0.0.1:{server.port}/0"
     finally:
@@ -307,7 +307,7 @@ def test_rediss_speaks_tls_to_a_server_that_requires_it(tmp_path):
         store = RedisStore(f"{server.url()}?ssl_ca_certs={ca}", tmp_path / "cache", lease_s=LEASE_S, chunk_bytes=CHUNK)
         assert store.location == server.url(), "the location names no query (it may carry secrets)"
         commit(store, key_of("tls"), b"over tls")
-        assert [a.manifest.key for a in store.list()] == [key_of("tls")]
+        assert [a.manifest.key for a in store.list().artifacts] == [key_of("tls")]
         with pytest.raises(StoreUnavailable):  # plain text to a TLS-only port is not a store
             RedisStore(f"redis://127.0.0.1:{server.port}/0", tmp_path / "plain").list()
     finally:
@@ -387,4 +387,4 @@ def test_a_compile_service_signs_what_it_commits_and_counts_only_trusted_bundles
     with signing.lock(forged):
         assert signing.get(forged) is None, "a bundle no trusted key signed is no hit: it is compiled again"
     assert not redis_server.client().exists(f"kiln:bundle:{forged}")
-    assert [a.manifest.key for a in signing.list()] == [key]
+    assert [a.manifest.key for a in signing.list().artifacts] == [key]

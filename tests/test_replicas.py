@@ -139,7 +139,7 @@ def test_three_concurrent_loads_through_two_compile_services_compile_once(cluste
     otlp_receiver.wait_for(lambda r: len(compile_spans(r, key)) >= 3)
     outcomes = sorted(s.attributes[spans.CACHE_HIT] for s in compile_spans(otlp_receiver, key))
     assert outcomes == [False, True, True]
-    listed = RedisStore(cluster.url, cluster.root / "lister", read_only=True).list()
+    listed = RedisStore(cluster.url, cluster.root / "lister", read_only=True).list().artifacts
     assert [a.manifest.key for a in listed] == [key]
 
 

@@ -380,7 +380,7 @@ def test_gpu_penalties_min_tokens_and_logprobs_in_cuda_graph_steps(gpu_stub):
         (REPEATING, dict(repetition_penalty=1.8), RepetitionPenaltyLogitsProcessor(1.8), ()),
         (PROMPT, dict(presence_penalty=1.5, frequency_penalty=0.5), openai_penalties(len(PROMPT), 1.5, 0.5), ()),
         (REPEATING, dict(min_tokens=6, stop_token_ids=[first]),
-         MinNewTokensLengthLogitsProcessor(len(REPEATING), 6, [first, EOS]), (first,)),
+         MinNewTokensLengthLogitsProcessor(len(REPEATING), 6, [first, EOS], device="cuda"), (first,)),
         (PROMPT[::-1], dict(logprobs=True, top_logprobs=3), None, ()),
     ]
 

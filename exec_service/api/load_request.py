@@ -7,11 +7,12 @@ from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES, E
 from exec_service.engine.kv_cache import KV_CACHE_DTYPES
 from exec_service.startup.load_model import LoadTarget
 from kiln.compilation.config import MIN_COMPILED_TOKENS, CompileConfig
-from kiln.errors import InvalidArgument
+from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.model.hub import is_hub_id
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
 from kiln.quantization.model_quantization import fp8_unsupported
+from kiln.rpc.field_bounds import MAX_KV_CACHE_SCALE, MAX_PIECEWISE_SIZES
 from kiln.runtime_mode import RuntimeMode
 from protos import exec_pb2
 
@@ -22,8 +23,6 @@ DEFAULT_CPU_KV_CACHE_BYTES = 64 << 20
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_WAITING = 256
 MAX_BLOCK_SIZE = 256
-MAX_PIECEWISE_CAPTURE_SIZES = 64
-MAX_KV_CACHE_SCALE = 1000.0
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -31,15 +30,17 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
     """Validated, with every client-named directory (model, weights) checked against ``roots``."""
     compile_config = CompileConfig.from_proto(request.config)
     resolved = resolve(request.model, compile_config.device, roots)
-    weights = request.weights or "dummy"
-    if is_hub_id(weights):  # org/name[@revision]: its snapshot in the server's Hugging Face cache
-        weights = str(roots.hub_dir(weights, "weights"))
-    elif weights != "dummy":
-        weights = str(roots.check_dir(weights, "weights"))
+    weights, pinned = request.weights or "dummy", None
+    if weights != "dummy":
+        # org/name[@revision]: its snapshot in the server's Hugging Face cache
+        pinned = roots.hub_dir(weights, "weights") if is_hub_id(weights) else roots.check_dir(weights, "weights")
+        if not pinned.is_dir:
+            raise NotFound(f"weights: {quote(weights)} is neither 'dummy' nor a directory with *.safetensors")
+        weights = str(pinned.view)  # the files the check opened, never what the path names later
     return LoadTarget(
         name=model_name(request, resolved), spec=request.model, resolved=resolved, compile_config=compile_config,
         key=request.key.digest or None, engine_config=engine_config(request, resolved, compile_config),
-        weights=weights, weights_seed=request.weights_seed)
+        weights=weights, weights_seed=request.weights_seed, weights_dir=pinned)
 
 
 def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
@@ -111,8 +112,8 @@ def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMod
         return tuple(s for s in DEFAULT_PIECEWISE_CAPTURE_SIZES if s <= max_num_batched_tokens)
     if sizes == [0]:
         return ()
-    if len(sizes) > MAX_PIECEWISE_CAPTURE_SIZES:
-        raise InvalidArgument(f"piecewise_capture_sizes: {len(sizes)} sizes, at most {MAX_PIECEWISE_CAPTURE_SIZES}")
+    if len(sizes) > MAX_PIECEWISE_SIZES:
+        raise InvalidArgument(f"piecewise_capture_sizes: {len(sizes)} sizes, at most {MAX_PIECEWISE_SIZES}")
     for size in sizes:
         if size < 1:
             raise InvalidArgument(f"piecewise_capture_sizes: {size} is not a positive token count ([0] alone turns "

@@ -29,6 +29,7 @@ from kiln.compilation import cache_key
 from kiln.compilation.code_hash import kiln_code_hash
 from kiln.compilation.config import CompileConfig
 from kiln.errors import DataLoss, FailedPrecondition, Internal, KilnError, NotFound, Unavailable, resource_error
+from kiln.json_object import bounded_loads
 from kiln.model.factors import model_config_factors
 from kiln.model.spec import ResolvedModel
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS
@@ -143,7 +144,7 @@ class BundleFetcher:
                 digest = cache_key.digest(cache_key.key_factors(resolved, config))
         path = None
         if cached:
-            with self.store.lock(digest):
+            with self.store.lock(digest, calls.deadline):
                 path = self.store.get(digest)
         source = self._found_in
         if path is None:
@@ -187,7 +188,7 @@ class BundleFetcher:
         return result.key.digest
 
     def _get_or_download(self, digest: str, progress: ProgressFn, calls: "_Calls") -> tuple[Path, str]:
-        with self.store.lock(digest):
+        with self.store.lock(digest, calls.deadline):
             path = self.store.get(digest)
             if path is not None:
                 return path, self._found_in
@@ -244,7 +245,8 @@ class BundleFetcher:
     @staticmethod
     def _read_factors(path: Path) -> dict:
         try:
-            return json.loads((path / bundle.KEY_FACTORS).read_text())
+            with bundle.open_regular(path / bundle.KEY_FACTORS) as f:
+                return bounded_loads(f.read())  # its sha256 was checked: signed bytes
         except (OSError, ValueError) as exc:
             raise CorruptBundle(f"{path.name}: unreadable {bundle.KEY_FACTORS}: {exc}") from None
 
@@ -321,7 +323,7 @@ def _wire_spec(spec: common_pb2.ModelSpec, resolved: ResolvedModel) -> common_pb
     service may run elsewhere), the dtype explicitly (its default depends on its own device)."""
     wire = common_pb2.ModelSpec(dtype=resolved.dtype_name)
     if spec.WhichOneof("source") in ("hf_dir", "hub_id"):
-        wire.config_json = (resolved.hf_dir / "config.json").read_text()  # the path the model roots checked
+        wire.config_json = (resolved.hf_dir / "config.json").read_text()  # the file the model roots pinned
     elif spec.WhichOneof("source") == "preset":
         wire.preset = spec.preset
     else:

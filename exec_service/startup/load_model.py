@@ -33,6 +33,7 @@ from exec_service.startup.memory_profile import profile_memory
 from exec_service.startup.weights import LoadedWeights, load_weights
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument, KilnError, quote, resource_error
+from kiln.model.roots import PinnedDir
 from kiln.model.spec import ResolvedModel
 from kiln.runtime_mode import RuntimeMode
 from protos import common_pb2
@@ -57,6 +58,7 @@ class LoadTarget:
     engine_config: EngineConfig
     weights: str
     weights_seed: int
+    weights_dir: PinnedDir | None = None  # holds open the files of ``weights`` that its check opened
 
 
 @dataclass

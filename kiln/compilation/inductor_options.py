@@ -41,7 +41,9 @@ def _int(low: int, high: int, nullable: bool = False) -> Allowed:
 
 
 def _one_of(*choices) -> Allowed:
-    return Allowed(lambda v: not isinstance(v, bool) and v in choices, "one of " + ", ".join(map(json.dumps, choices)))
+    """Exactly one of ``choices``, of its type too: 1.0 and true are not 1."""
+    return Allowed(lambda v: any(type(v) is type(c) and v == c for c in choices),
+                   "one of " + ", ".join(map(json.dumps, choices)))
 
 
 def _backends(*choices: str) -> Allowed:
@@ -255,10 +257,12 @@ def parse_patches(text: str) -> dict:
 
 @functools.cache
 def inductor_option_names() -> frozenset[str]:
-    """Every option of the installed torch's Inductor config, nested ones dotted (``triton.max_tiles``)."""
+    """Every option of the installed torch's Inductor config, nested ones dotted (``triton.max_tiles``); those that
+    ``get_config_copy`` leaves out (``force_disable_caches``, ...) too, so that they are refused as not the client's
+    (PERMISSION_DENIED), not as unknown."""
     from torch._inductor import config as inductor_config
 
-    return frozenset(inductor_config.get_config_copy())
+    return frozenset(inductor_config.get_config_copy()) | frozenset(getattr(inductor_config, "_config", {}))
 
 
 def check_option(name: str, value: object) -> None:

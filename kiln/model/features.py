@@ -44,6 +44,32 @@ HONOURED = frozenset({
 })
 
 
+# Keys that make transformers choose code: an attention or experts implementation may name a Hub kernel that the
+# ``kernels`` package fetches and imports, ``auto_map`` a remote module. Kiln's attention op is the implementation, set
+# by Kiln; a config that gives any of these a value (at any depth: a sub-config's too; null chooses nothing) is
+# refused before it is built.
+CODE_FIELDS = frozenset({"auto_map", "trust_remote_code", "custom_pipelines", "kernel_config", "use_kernels"})
+
+
+def selects_code(name: str) -> bool:
+    return name in CODE_FIELDS or name.strip("_").removesuffix("_internal").endswith("implementation")
+
+
+def check_raw(raw: dict) -> None:
+    """INVALID_ARGUMENT naming the first key of a raw config.json that would choose code rather than describe the
+    model; run before transformers sees the config."""
+    pending = [("", raw)]
+    while pending:
+        prefix, item = pending.pop()
+        for name, value in item.items():
+            if selects_code(str(name)) and value is not None:
+                raise InvalidArgument(f"model config {prefix}{name}: chooses code to run (an implementation, a kernel "
+                                      f"or a remote module); Kiln runs its own attention op and no other code, "
+                                      f"remove the field")
+            if isinstance(value, dict):
+                pending.append((f"{prefix}{name}.", value))
+
+
 MAX_CUDA_HEAD_DIM = 256  # the Triton kernels hold a tile of one head and its fp32 accumulator in registers
 
 

@@ -13,7 +13,7 @@ from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.json_object import parse_json_object
 from kiln.model import features as model_features
 from kiln.model.presets import PRESETS
-from kiln.model.roots import ModelRoots
+from kiln.model.roots import ModelRoots, PinnedDir
 
 if TYPE_CHECKING:  # the wire type is read field by field; the engine below the API edge loads no protobuf
     from protos import common_pb2
@@ -37,7 +37,8 @@ class ResolvedModel:
     name: str
     config: PretrainedConfig
     dtype: torch.dtype
-    hf_dir: Path | None
+    hf_dir: Path | None  # the pinned view of a client-named directory: exactly the files its check opened
+    pinned: PinnedDir | None = None  # holds them open while the model is in use
 
     @property
     def dtype_name(self) -> str:
@@ -53,7 +54,7 @@ def resolve(spec: "common_pb2.ModelSpec", device: str, roots: ModelRoots | None 
     read only under ``roots``; the servers always pass theirs, and None (a caller in this process, not a client)
     reads any directory."""
     source = spec.WhichOneof("source")
-    hf_dir = None
+    hf_dir = pinned = None
     if source == "preset":
         if spec.preset not in PRESETS:
             raise NotFound(f"model.preset: unknown preset {quote(spec.preset)}; known: {', '.join(sorted(PRESETS))}")
@@ -62,15 +63,16 @@ def resolve(spec: "common_pb2.ModelSpec", device: str, roots: ModelRoots | None 
         field, named = f"model.{source}", getattr(spec, source)
         roots = roots or ModelRoots(any_path=True)
         if source == "hf_dir":
-            hf_dir, name = roots.check_dir(spec.hf_dir, field), Path(spec.hf_dir).name
-        else:
-            hf_dir, name = roots.hub_dir(spec.hub_id, field), spec.hub_id.split("@")[0].split("/")[1]
-        config_path = hf_dir / "config.json"
-        if not config_path.is_file():
+            pinned, name = roots.check_dir(spec.hf_dir, field), Path(spec.hf_dir).name
+        else:  # named after the repository: org/name@revision -> name
+            pinned, name = roots.hub_dir(spec.hub_id, field), spec.hub_id.split("@")[0].split("/")[1]
+        text = pinned.read("config.json", MAX_CONFIG_JSON_BYTES)
+        if text is None:
             raise NotFound(f"{field}: no config.json in {quote(named)}")
-        if config_path.stat().st_size > MAX_CONFIG_JSON_BYTES:
+        if len(text) > MAX_CONFIG_JSON_BYTES:
             raise InvalidArgument(f"{field}: its config.json is over {MAX_CONFIG_JSON_BYTES} bytes")
-        raw = parse_json_object(config_path.read_text(), f"{field} config.json")
+        raw = parse_json_object(text, f"{field} config.json")
+        hf_dir = pinned.view
     elif source == "config_json":
         if len(spec.config_json) > MAX_CONFIG_JSON_BYTES:  # characters: a lower bound on its bytes
             raise InvalidArgument(f"model.config_json: {len(spec.config_json)} characters, over the "
@@ -81,7 +83,8 @@ def resolve(spec: "common_pb2.ModelSpec", device: str, roots: ModelRoots | None 
         raise InvalidArgument("model: set one of preset, hf_dir, hub_id or config_json")
     config = _build_config(raw)
     model_features.check(config, device)
-    return ResolvedModel(name=name, config=config, dtype=_dtype(spec.dtype, device), hf_dir=hf_dir)
+    return ResolvedModel(name=name, config=config, dtype=_dtype(spec.dtype, device), hf_dir=hf_dir,
+                         pinned=pinned)
 
 
 def _build_config(raw: dict) -> PretrainedConfig:
@@ -91,6 +94,7 @@ def _build_config(raw: dict) -> PretrainedConfig:
         kind = "a mixture-of-experts model" if moe else "not a supported decoder architecture"
         supported = ", ".join(sorted(model_features.FAMILIES))
         raise InvalidArgument(f"model config: model_type {quote(model_type)} is {kind}; supported: {supported}")
+    model_features.check_raw(raw)
     fields = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(model_type, **fields)

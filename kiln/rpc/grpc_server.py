@@ -3,6 +3,7 @@ security of the port: TLS, bearer tokens, the request size cap, and a loud warni
 
 import asyncio
 import contextvars
+import faulthandler
 import functools
 import inspect
 import ipaddress
@@ -20,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kiln.errors import KilnError, first_line, resource_error
 from kiln.rpc.auth import TokenAuth, TokenTable
+from kiln.rpc.field_bounds import check_request
 from kiln.rpc.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -79,8 +81,9 @@ def _cut(message: str) -> str:
 
 
 def status_errors(method):
-    """Map KilnError to its status, a full disk or exhausted memory to theirs, and anything else (a Kiln bug) to
-    INTERNAL with one line: never a stack trace."""
+    """Check every number of the request against its range first (kiln.rpc.field_bounds), then map KilnError to its
+    status, a full disk or exhausted memory to theirs, and anything else (a Kiln bug) to INTERNAL with one line:
+    never a stack trace."""
 
     async def abort(context, exc: Exception):
         if isinstance(exc, KilnError):
@@ -97,6 +100,7 @@ def status_errors(method):
         @functools.wraps(method)
         async def stream(self, request, context):
             try:
+                check_request(request)
                 async for item in method(self, request, context):
                     yield item
             except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -109,6 +113,7 @@ def status_errors(method):
     @functools.wraps(method)
     async def unary(self, request, context):
         try:
+            check_request(request)
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -283,7 +288,13 @@ class Server:
 
 
 def serve_until_signal(start, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
-    """Run ``start()`` (a coroutine returning (Server, port)) and serve until SIGINT/SIGTERM: the CLI's servers."""
+    """Run ``start()`` (a coroutine returning (Server, port)) and serve until SIGINT/SIGTERM: the CLI's servers.
+
+    A crash in native code (SIGSEGV, SIGBUS, SIGABRT, ...) leaves every thread's Python stack on stderr, the log
+    of a service run as a child (faulthandler); SIGUSR1 prints the same without stopping, for a server that hangs.
+    """
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
     async def serve():
         server, _ = await start()

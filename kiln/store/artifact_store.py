@@ -5,8 +5,10 @@ and nothing more. A bundle is a local directory once a caller holds it (a pickle
 sha256s and signature are checked on that copy), so a remote backend keeps verified local copies:
 
 - ``location``: where the store is, for messages and spans (a path, ``redis://host:port/db``); never a password.
-- ``lock(key)``: single flight for one key across every process on the store (a file lock here, a fenced lease
-  in Redis); ``commit`` of that key happens inside it.
+- ``lock(key, deadline=None)``: single flight for one key across every process on the store (a file lock here, a
+  fenced lease in Redis); ``commit`` of that key happens inside it. A waiter gives up at ``deadline``
+  (``time.monotonic()``), the deadline of the call it serves, with DEADLINE_EXCEEDED: no worker thread waits on
+  behalf of a client that is gone.
 - ``get(key, check=True) -> Path | None``: the committed bundle as a local directory checked now (never
   remembered as good: bit rot keeps the modification time), or None when there is none (a corrupt one is taken out
   of service by a writer, so it is rebuilt; a reader refuses it). ``check=False`` is for a reader that hashes as it
@@ -14,7 +16,8 @@ sha256s and signature are checked on that copy), so a remote backend keeps verif
 - ``quarantine(key, reason)``: take a local copy that failed a check at load out of service, kept for a person.
 - ``staging_dir()`` / ``commit(key, staged)`` / ``discard(staged)``: build a bundle in a local directory, then
   publish it atomically (readers see the whole bundle or none of it), or throw it away.
-- ``list()``: every committed bundle's manifest and last-used time (ListArtifacts); ``delete(key)``: bytes freed.
+- ``list()``: every committed bundle's manifest and last-used time (ListArtifacts), and each entry that does not
+  read, with why: one bad entry is that key's DATA_LOSS, never the whole listing's; ``delete(key)``: bytes freed.
 
 Writes are atomic; the compile service's store signs what it commits and, on a read, takes as present only a
 bundle signed by a key it trusts: whoever else can write the store can plant bytes there but not a hit. A process
@@ -32,6 +35,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from kiln.errors import FailedPrecondition, InvalidArgument, quote
+from kiln.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, quote
 from kiln.store import bundle
 from kiln.store.bundle import CorruptBundle, Manifest, UntrustedBundle
 from kiln.store.signing import Signer, TrustedKeys
@@ -68,18 +72,26 @@ class StoredArtifact:
     last_used_unix: float
 
 
+@dataclass
+class Listing:
+    """What ``list`` found: the bundles that read, and key (or entry name) -> why, for those that do not."""
+
+    artifacts: list[StoredArtifact]
+    unreadable: dict[str, str]
+
+
 class ArtifactStore(Protocol):
     """What the compile pipeline, the compile service and the bundle fetcher need of a store (see above)."""
 
     location: str
 
-    def lock(self, key: str) -> AbstractContextManager[None]: ...
+    def lock(self, key: str, deadline: float | None = None) -> AbstractContextManager[None]: ...
     def get(self, key: str, check: bool = True) -> Path | None: ...
     def quarantine(self, key: str, reason: str) -> None: ...
     def staging_dir(self) -> Path: ...
     def commit(self, key: str, staged: Path) -> Path: ...
     def discard(self, staged: Path) -> None: ...
-    def list(self) -> list[StoredArtifact]: ...
+    def list(self) -> Listing: ...
     def delete(self, key: str) -> int: ...
 
 
@@ -117,21 +129,21 @@ class FilesystemStore:
         return self.root / key
 
     @contextmanager
-    def lock(self, key: str) -> Iterator[None]:
-        """Exclusive per key, across threads of this process and across processes sharing the store.
+    def lock(self, key: str, deadline: float | None = None) -> Iterator[None]:
+        """Exclusive per key, across threads of this process and across processes sharing the store; waits until
+        ``deadline`` at most (DEADLINE_EXCEEDED).
 
         The lock file is removed on release, so none outlives its holder; a waiter that wakes on a removed file
         takes the lock again on the new one.
         """
         with self._guard:
             thread_lock = self._thread_locks.setdefault(key, threading.Lock())
-        if self.read_only:
-            with thread_lock:
+        with held(thread_lock, deadline, f"bundle {key[:12]} in the store {self.root}"):
+            if self.read_only:
                 yield
-            return
-        path = self.root / ".locks" / f"{key}.lock"
-        with thread_lock:
-            fd = _flock(path, blocking=True)
+                return
+            path = self.root / ".locks" / f"{key}.lock"
+            fd = _flock(path, blocking=True, deadline=deadline)
             try:
                 yield
             finally:
@@ -143,8 +155,15 @@ class FilesystemStore:
         caller rebuilds it. Call it holding the key's lock. ``check=False`` is for a reader that hashes as it reads
         (GetArtifact) and calls ``get`` again, under the lock, when that finds a difference."""
         path = self.path(key)
-        if not path.is_dir():
+        if not os.path.lexists(path):
             return None
+        if not _is_real_dir(path):
+            exc = CorruptBundle(f"bundle {key} in the store {self.root}: not a directory (a link or a file was put "
+                                f"in its place)")
+            if self.verify and check and not self.read_only:
+                self.quarantine(key, str(exc))
+                return None
+            raise exc
         if self.verify and check:
             try:
                 self._verify(key, path)
@@ -209,26 +228,36 @@ class FilesystemStore:
         shutil.rmtree(staged, ignore_errors=True)
         self._release(staged)
 
-    def list(self) -> list[StoredArtifact]:
-        out = []
+    def list(self) -> Listing:
+        artifacts, unreadable = [], {}
         for path in sorted(self.root.iterdir()):
-            if path.name.startswith(".") or not path.is_dir():
+            if path.name.startswith("."):
                 continue
             try:
+                if not is_key(path.name) or not _is_real_dir(path):
+                    raise CorruptBundle(f"{path.name[:64]!r} in the store {self.root} is not a bundle directory")
                 manifest = bundle.read_manifest(path)
-            except CorruptBundle:
+                if manifest.key != path.name:
+                    raise CorruptBundle(f"bundle {path.name}: its manifest is of bundle {manifest.key[:12]}")
+            except CorruptBundle as exc:
+                log.warning("%s", exc)
+                unreadable[path.name[:64]] = str(exc)
                 continue
             last_used = (path / _LAST_USED).stat().st_mtime if (path / _LAST_USED).exists() else manifest.created_unix
-            out.append(StoredArtifact(manifest, last_used))
-        return out
+            artifacts.append(StoredArtifact(manifest, last_used))
+        return Listing(artifacts, unreadable)
 
     def delete(self, key: str) -> int:
         """Remove a bundle; returns the bytes freed (0 when it was not there)."""
         path = self.path(key)
-        if not path.is_dir():
+        if not os.path.lexists(path):
             return 0
-        freed = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
         with self.lock(key):
+            if not _is_real_dir(path):  # a link or a file in a bundle's place: removed, never followed
+                freed = os.lstat(path).st_size
+                os.unlink(path)
+                return freed
+            freed = sum(p.lstat().st_size for p in path.iterdir() if p.is_file() and not p.is_symlink())
             self._remove(path)
         return freed
 
@@ -271,8 +300,28 @@ class FilesystemStore:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _flock(path: Path, blocking: bool) -> int:
-    """An open descriptor holding the exclusive flock of the file now at ``path`` (created if missing).
+def _is_real_dir(path: Path) -> bool:
+    """A directory itself, not a link to one."""
+    return stat.S_ISDIR(os.lstat(path).st_mode)
+
+
+@contextmanager
+def held(lock: threading.Lock, deadline: float | None, what: str) -> Iterator[None]:
+    """``lock`` held, waited for until ``deadline`` at most."""
+    if not lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+        raise DeadlineExceeded(f"{what}: another request held its lock until this call's deadline")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+_POLL_S = 0.05  # how often a waiter with a deadline tries a lock another process holds
+
+
+def _flock(path: Path, blocking: bool, deadline: float | None = None) -> int:
+    """An open descriptor holding the exclusive flock of the file now at ``path`` (created if missing); blocking
+    waits until ``deadline`` at most (DEADLINE_EXCEEDED).
 
     Holders remove the file when they release it, so a lock taken on a file that is no longer at ``path`` is
     worthless: take it again on the one that is.
@@ -280,7 +329,10 @@ def _flock(path: Path, blocking: bool) -> int:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if blocking and deadline is None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                _flock_until(fd, deadline if blocking else None, path)
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd
         except FileNotFoundError:
@@ -289,3 +341,18 @@ def _flock(path: Path, blocking: bool) -> int:
             os.close(fd)
             raise
         os.close(fd)
+
+
+def _flock_until(fd: int, deadline: float | None, path: Path) -> None:
+    """LOCK_NB once (``deadline`` None), or again every _POLL_S until ``deadline``."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if deadline is None:
+                raise
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"bundle {path.stem[:12]} in the store {path.parent.parent}: another "
+                                       f"process held its lock until this call's deadline") from None
+            time.sleep(_POLL_S)

@@ -9,14 +9,18 @@ manifest and signature followed by its files' bytes, concatenated in the manifes
 chunks: neither side holds more than a chunk of it in memory.
 """
 
+import errno
 import hashlib
 import io
 import json
+import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import DataLoss, FailedPrecondition
+from kiln.json_object import bounded_loads
 from kiln.store.signing import Signature, Signer, TrustedKeys, UntrustedSignature
 
 MANIFEST = "manifest.json"
@@ -26,6 +30,8 @@ LAYER_KINDS = "layer_kinds.json"  # the kind of each decoder layer: which compil
 # Not covered by the manifest: the manifest itself, its signature, and the store's last-used stamp.
 _UNLISTED = {MANIFEST, SIGNATURE, ".last_used"}
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a few files; anything larger is not one
+MAX_FILES = 1024  # a bundle holds a compiled layer per kind of decoder layer and a few JSON files
+MAX_FILE_BYTES = 1 << 40  # no compiled layer comes near; a reader's own bound (max_bundle_bytes) is lower
 _READ_BYTES = 1 << 20
 
 
@@ -44,6 +50,22 @@ class UntrustedBundle(FailedPrecondition):
     def __init__(self, key: str, signer: str, reason: str):
         super().__init__(f"bundle {key}: {reason} (signer: {signer}); refused, nothing of it was loaded")
         self.signer = signer
+
+
+def open_regular(path: Path, text: bool = False):
+    """``path`` opened for reading, only when it is a regular file and not a link: a FIFO or a device put in a
+    store would block a read forever, a link would read outside it. Anything else is CorruptBundle (DATA_LOSS)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptBundle(f"{path.name} is a symbolic link, not a file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptBundle(f"{path.name} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "r", encoding="utf-8", newline="") if text else os.fdopen(fd, "rb")
 
 
 def sha256_file(path: Path) -> str:
@@ -78,15 +100,17 @@ class Manifest:
         if len(text) > MAX_MANIFEST_BYTES:
             raise CorruptBundle(f"manifest: {len(text)} bytes, more than {MAX_MANIFEST_BYTES}")
         try:
-            manifest = cls(**json.loads(text))
+            manifest = cls(**bounded_loads(text))
         except (ValueError, TypeError) as exc:
             raise CorruptBundle(f"manifest: unreadable: {exc}") from None
         if not isinstance(manifest.files, dict):
             raise CorruptBundle("manifest: files is not an object")
+        if len(manifest.files) > MAX_FILES:
+            raise CorruptBundle(f"manifest: {len(manifest.files)} files, more than {MAX_FILES}")
         for name, entry in manifest.files.items():
             if name != Path(name).name or name.startswith(".") or name in _UNLISTED or len(name) > 255:
                 raise CorruptBundle(f"manifest: {name!r} is not a plain file name")
-            if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and entry["size"] >= 0
+            if not (isinstance(entry, dict) and type(entry.get("size")) is int and 0 <= entry["size"] <= MAX_FILE_BYTES
                     and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64):
                 raise CorruptBundle(f"manifest: {name!r} has no valid size and sha256")
         return manifest
@@ -111,7 +135,7 @@ def read_manifest(bundle_dir: Path) -> Manifest:
 def _read_text(path: Path) -> str:
     """A manifest or signature file as stored, bounded in size."""
     try:
-        with open(path, encoding="utf-8", newline="") as f:  # the bytes signed, not a translation of them
+        with open_regular(path, text=True) as f:  # the bytes signed, not a translation of them
             return f.read(MAX_MANIFEST_BYTES + 1)
     except (OSError, ValueError) as exc:
         raise CorruptBundle(f"{path.parent.name}: unreadable {path.name}: {exc}") from None
@@ -136,7 +160,7 @@ def read_chunks(bundle_dir: Path, manifest: Manifest, chunk_bytes: int) -> Itera
         entry = manifest.files[name]
         digest, left = hashlib.sha256(), entry["size"]
         try:
-            with open(bundle_dir / name, "rb") as f:
+            with open_regular(bundle_dir / name) as f:
                 while left:
                     block = f.read(min(chunk_bytes, left))
                     if not block:
@@ -251,10 +275,12 @@ def _read_listed(bundle_dir: Path, name: str, manifest: Manifest, signer: str) -
     """A file's bytes, read once, after checking them against the signed manifest's size and sha256."""
     entry = manifest.files[name]
     try:
-        with open(bundle_dir / name, "rb") as f:
+        with open_regular(bundle_dir / name) as f:
             data = f.read(entry["size"] + 1)
     except OSError:
         raise AlteredBundle(manifest.key, signer, f"{name} is missing") from None
+    except CorruptBundle as exc:
+        raise AlteredBundle(manifest.key, signer, str(exc)) from None
     if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise AlteredBundle(manifest.key, signer, f"{name} differs from the sha256 its manifest lists")
     return data
@@ -299,7 +325,7 @@ def load_compiled(bundle_dir: Path, key: str, trusted: TrustedKeys):
     if LAYER_KINDS not in manifest.files:
         raise UntrustedBundle(key, signer, f"its signed manifest lists no {LAYER_KINDS}")
     try:
-        kinds = tuple(json.loads(_read_listed(bundle_dir, LAYER_KINDS, manifest, signer)))
+        kinds = tuple(bounded_loads(_read_listed(bundle_dir, LAYER_KINDS, manifest, signer)))
     except ValueError:
         raise AlteredBundle(key, signer, f"{LAYER_KINDS} does not parse") from None
     files = [compiled_layer_file(kind) for kind in range(max(kinds) + 1)]

@@ -5,6 +5,7 @@ unnumbered. A thread renews the lease every third of its ttl while the holder wo
 a lost host) stops renewing and the lease expires, so a waiter takes over after at most one ttl. A holder that was
 only slow (a long pause, a partition) may still believe it holds the key after someone else took over: the fencing
 token is what the store checks at commit, so its late commit is refused rather than overwriting the newer one.
+Every lease expires: one without an expiry, or with more left than MAX_LEASE_S, is stale and taken over.
 """
 
 import logging
@@ -16,8 +17,15 @@ import redis
 
 log = logging.getLogger(__name__)
 
-# KEYS: lease, fence; ARGV: owner, ttl ms. The new fencing token, or nil when someone else holds the lease.
+# The longest lease any holder may take: one found with more time left, or with no expiry at all (written by hand
+# or by something other than Kiln), is stale and taken over, so that no lease blocks a key forever.
+MAX_LEASE_S = 600.0
+# KEYS: lease, fence; ARGV: owner, ttl ms, longest ttl ms. The new fencing token, or nil when someone else holds it.
 _ACQUIRE = """
+local left = redis.call('PTTL', KEYS[1])
+if left == -1 or left > tonumber(ARGV[3]) then
+  redis.call('DEL', KEYS[1])
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
@@ -47,6 +55,8 @@ class Lease:
         self.client = client
         self.lease_key = lease_key
         self.fence_key = fence_key
+        if not 0 < ttl_s <= MAX_LEASE_S:
+            raise ValueError(f"lease ttl {ttl_s} s is outside (0, {MAX_LEASE_S:g}]")
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.owner = uuid.uuid4().hex
         self.token: int | None = None
@@ -54,14 +64,18 @@ class Lease:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    def acquire(self) -> int:
-        """Wait until this claim holds the lease; returns its fencing token. Redis errors propagate."""
+    def acquire(self, deadline: float | None = None) -> int | None:
+        """Wait until this claim holds the lease, or until ``deadline`` (time.monotonic()); returns its fencing
+        token, or None when the deadline came first. Redis errors propagate."""
         poll_s = min(0.25, self.ttl_ms / 10000)
         while True:
-            token = self.client.eval(_ACQUIRE, 2, self.lease_key, self.fence_key, self.owner, self.ttl_ms)
+            token = self.client.eval(_ACQUIRE, 2, self.lease_key, self.fence_key, self.owner, self.ttl_ms,
+                                     int(MAX_LEASE_S * 1000))
             if token is not None:
                 self.token = int(token)
                 break
+            if deadline is not None and time.monotonic() + poll_s > deadline:
+                return None
             time.sleep(poll_s)
         self._renewer = threading.Thread(target=self._renew, name=f"lease {self.lease_key}", daemon=True)
         self._renewer.start()

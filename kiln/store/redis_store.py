@@ -2,7 +2,8 @@
 
 Layout (``K`` is an artifact key, ``G`` a generation: a fresh id for each commit of ``K``):
 - ``kiln:bundle:K``  hash: ``manifest`` (the exact bytes of manifest.json), ``signature`` (manifest.sig's bytes,
-  absent for an unsigned bundle), ``generation`` G, ``chunks`` (JSON: file name -> number of chunks), ``fence``
+  absent for an unsigned bundle), ``generation`` G, ``chunk_bytes`` (every chunk's size but a file's last),
+  ``chunks`` (JSON: file name -> number of chunks, for readers of Kiln before ``chunk_bytes``; never read), ``fence``
   (the fencing token of the commit), ``committed_unix``.
 - ``kiln:chunk:K:G:NAME:I``  string: the I-th chunk of file NAME, at most ``chunk_bytes`` (never one huge value).
 - ``kiln:index``  sorted set: K scored by its last-used time, for ListArtifacts and for eviction by age.
@@ -13,10 +14,16 @@ their own), then in one MULTI/EXEC, watched on the fence: makes the chunks perma
 scores the index. Nothing half-written is ever visible, and a writer whose lease was taken over is refused. The
 previous generation's chunks expire after a grace period, so a reader in the middle of them can finish.
 
-Redis is untrusted storage: a bundle is read into a verified local copy (sizes and sha256s checked while the
-chunks stream to disk; the signature is checked where it is loaded) and only that copy is ever used. Memory stays
-bounded by a few chunks whatever the bundle's size. Single Redis (or a Sentinel/replicated primary): the commit
-touches keys of several hash slots, so Redis Cluster is not supported.
+Redis is untrusted storage, and so is every field of it: whoever can write Redis can write a chunk count of 10^9,
+a manifest of a gigabyte or a hash where a string belongs. So an entry is read by a script that returns no field
+over its bound; its manifest's signature is checked (with ``trusted`` keys) before a single chunk is read; the
+number and size of the chunks follow from that manifest and ``chunk_bytes``, each within configured maxima, and each
+chunk is read no longer than it may be. A bundle is read into a verified local copy (sizes and sha256s checked
+while the chunks stream to disk) and only that copy is ever used. An entry that fails any of this is DATA_LOSS for
+that key alone: a reader refuses it, a writer removes it (finding its chunks by a scan, not by what it says), and
+``list`` reports it as unreadable beside the others. Every command has a timeout: a Redis that stops answering is
+UNAVAILABLE naming it within ``timeout_s``. Single Redis (or a Sentinel/replicated primary): the commit touches keys
+of several hash slots, so Redis Cluster is not supported.
 """
 
 import contextlib
@@ -24,11 +31,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -36,11 +45,11 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from kiln.errors import Unavailable
+from kiln.errors import DeadlineExceeded, Unavailable
 from kiln.store import bundle
-from kiln.store.artifact_store import FilesystemStore, StoredArtifact, is_key
-from kiln.store.bundle import CorruptBundle, Manifest, UntrustedBundle
-from kiln.store.redis_lease import Lease
+from kiln.store.artifact_store import FilesystemStore, Listing, StoredArtifact, held, is_key
+from kiln.store.bundle import MAX_MANIFEST_BYTES, CorruptBundle, Manifest, UntrustedBundle
+from kiln.store.redis_lease import MAX_LEASE_S, Lease
 from kiln.store.signing import Signer, TrustedKeys
 
 log = logging.getLogger(__name__)
@@ -50,6 +59,31 @@ BATCH_BYTES = 4 << 20  # chunks per round trip: few round trips, memory bounded 
 PENDING_S = 3600  # how long the chunks of an uncommitted upload live
 SUPERSEDED_GRACE_S = 300  # how long a replaced generation's chunks stay for readers in the middle of them
 DEFAULT_LEASE_S = 30.0
+DEFAULT_TIMEOUT_S = 10.0  # the longest one command may take before the store is UNAVAILABLE
+DEFAULT_MAX_BUNDLE_BYTES = 64 << 30  # what a reader downloads at most for one bundle
+MIN_CHUNK_BYTES = 4 << 10
+MAX_CHUNK_BYTES = 64 << 20
+MAX_CHUNKS = 1 << 16  # per bundle: what a commit's or a removal's list of chunk keys may hold
+MAX_SIGNATURE_BYTES = 4 << 10  # an Ed25519 signature file is ~150 bytes
+MAX_LISTED = 100_000  # bundles ListArtifacts reads from the index
+_GENERATION = re.compile(rb"[0-9a-f]{32}")
+# KEYS: the bundle hash; ARGV: (field, most bytes) pairs. Each field's value, its length when over its bound (an
+# integer: the value is never sent), nil when missing; the key's type when it is not a hash; nil when no key.
+_READ_ENTRY = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return false end
+if kind ~= 'hash' then return kind end
+local out = {}
+for i = 1, #ARGV, 2 do
+  local size = redis.call('HSTRLEN', KEYS[1], ARGV[i])
+  if size > tonumber(ARGV[i + 1]) then out[#out + 1] = size
+  else out[#out + 1] = redis.call('HGET', KEYS[1], ARGV[i]) end
+end
+return out
+"""
+_ENTRY_FIELDS = {"manifest": MAX_MANIFEST_BYTES, "signature": MAX_SIGNATURE_BYTES, "generation": 32,
+                 "chunk_bytes": 12}
+_LISTED_FIELDS = {"manifest": MAX_MANIFEST_BYTES}
 
 
 class StoreUnavailable(Unavailable):
@@ -81,19 +115,30 @@ class RedisStore:
 
     def __init__(self, url: str, cache_dir: Path | str, *, read_only: bool = False, lease_s: float = DEFAULT_LEASE_S,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, signer: Signer | None = None,
-                 trusted: TrustedKeys | None = None):
+                 trusted: TrustedKeys | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_bundle_bytes: int = DEFAULT_MAX_BUNDLE_BYTES):
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes {chunk_bytes} is outside [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]")
+        if not 0 < lease_s <= MAX_LEASE_S:
+            raise ValueError(f"--lease-s {lease_s:g} is outside (0, {MAX_LEASE_S:g}]: a longer lease would be taken "
+                             f"for a stale one")
         self.location = redacted(url)
         self.read_only = read_only
         self.signer = signer
         self.trusted = trusted
         self.lease_s = lease_s
         self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self.max_bundle_bytes = max_bundle_bytes
         password = os.environ.get("KILN_STORE_PASSWORD") or None
         extra = {"password": password} if password else {}
-        # A few quick retries ride out a dropped connection; a Redis that stays down is UNAVAILABLE within seconds.
+        # Quick retries ride out a dropped connection; a Redis that stays down, or stops answering, is UNAVAILABLE
+        # within timeout_s: a command that timed out is not retried (a frozen Redis would hold it for each retry).
         self.client = redis.Redis.from_url(
-            url, socket_connect_timeout=2, socket_timeout=30, health_check_interval=30,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2), **extra)
+            url, socket_connect_timeout=min(2.0, timeout_s), socket_timeout=timeout_s, health_check_interval=30,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2, supported_errors=(redis.ConnectionError,)),
+            **extra)
+        self._read_entry = self.client.register_script(_READ_ENTRY)
         self.cache = FilesystemStore(cache_dir)
         self._thread_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -102,17 +147,20 @@ class RedisStore:
     # --- single flight ---------------------------------------------------------------------------------------
 
     @contextmanager
-    def lock(self, key: str) -> Iterator[None]:
-        """Exclusive per key across every process on this Redis (a lease), and across threads of this one."""
+    def lock(self, key: str, deadline: float | None = None) -> Iterator[None]:
+        """Exclusive per key across every process on this Redis (a lease), and across threads of this one; waits
+        until ``deadline`` at most (DEADLINE_EXCEEDED)."""
         with self._guard:
             thread_lock = self._thread_locks.setdefault(key, threading.Lock())
-        with thread_lock:
+        with held(thread_lock, deadline, f"bundle {key[:12]} in the store {self.location}"):
             if self.read_only:
                 yield
                 return
             lease = Lease(self.client, f"kiln:lease:{key}", f"kiln:fence:{key}", self.lease_s)
             with self._reachable():
-                lease.acquire()
+                if not lease.acquire(deadline):
+                    raise DeadlineExceeded(f"bundle {key[:12]} in the store {self.location}: another compile "
+                                           f"service held its lease until this call's deadline")
             self._held[key] = lease
             try:
                 yield
@@ -124,24 +172,26 @@ class RedisStore:
 
     def get(self, key: str, check: bool = True) -> Path | None:
         """The bundle as a verified local copy, or None when Redis has none. ``check=False`` leaves an up-to-date
-        local copy unhashed, for a reader that hashes as it reads (GetArtifact)."""
+        local copy unhashed, for a reader that hashes as it reads (GetArtifact). An entry that fails a check is
+        DATA_LOSS (or FAILED_PRECONDITION for a signature) for a reader, and removed by a writer (None)."""
         self._check(key)
         with self._reachable():
             for _ in range(2):  # a second try when a newer commit replaced the chunks being read
-                entry = self._entry(key)
-                if entry is None:
+                fields = self._fields(key, _ENTRY_FIELDS)
+                if fields is None:
                     self.cache.delete(key)  # deleted from the store: not a hit anywhere any more
                     return None
-                local = self.cache.get(key, check)
-                if local is not None and (local / bundle.MANIFEST).read_bytes() == entry[b"manifest"]:
-                    self.touch(key)
-                    return local
                 try:
+                    entry = self._entry(key, fields)
+                    local = self.cache.get(key, check)
+                    if local is not None and (local / bundle.MANIFEST).read_bytes() == entry.manifest_bytes:
+                        self.touch(key)
+                        return local
                     path = self._download(key, entry)
                 except _Superseded:
                     continue
                 except (CorruptBundle, UntrustedBundle) as exc:
-                    return self._corrupt(key, entry, exc)
+                    return self._corrupt(key, fields.get("generation"), exc)
                 self.touch(key)
                 return path
         raise CorruptBundle(f"bundle {key} in the store {self.location} changed twice while it was read")
@@ -183,21 +233,26 @@ class RedisStore:
         return self.cache.commit(key, staged)
 
     def delete(self, key: str) -> int:
-        """Remove a bundle from Redis and the local copy; the bytes freed in Redis (0 when it was not there)."""
+        """Remove a bundle from Redis and the local copy; the bytes freed in Redis (0 when it was not there).
+        An entry that does not read counts the bytes of the chunks removed."""
         self._check(key)
         if self.read_only:
             raise RuntimeError(f"delete of {key[:12]} through a read-only view of {self.location}")
         with self.lock(key), self._reachable():
-            entry = self._entry(key)
+            fields = self._fields(key, _ENTRY_FIELDS)
             self.cache.delete(key)
-            if entry is None:
+            if fields is None:
                 return 0
-            freed = Manifest.from_json(entry[b"manifest"].decode()).total_bytes
+            try:
+                freed = self._entry(key, fields).manifest.total_bytes
+            except CorruptBundle:
+                freed = None
             pipe = self.client.pipeline(transaction=True)
-            pipe.delete(f"kiln:bundle:{key}", *self._chunk_keys(key, entry))
+            pipe.delete(f"kiln:bundle:{key}")
             pipe.zrem("kiln:index", key)
             pipe.execute()
-        return freed
+            removed = self._remove_chunks(key)
+        return removed if freed is None else freed
 
     # --- internals -------------------------------------------------------------------------------------------
 
@@ -205,7 +260,10 @@ class RedisStore:
     def _reachable(self) -> Iterator[None]:
         try:
             yield
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except redis.TimeoutError as exc:
+            raise StoreUnavailable(f"store {self.location} did not answer within {self.timeout_s:g} s: "
+                                   f"{exc}") from None
+        except redis.ConnectionError as exc:
             raise StoreUnavailable(f"store {self.location} is unreachable: {exc}") from None
         except redis.ResponseError as exc:  # NOAUTH, WRONGPASS, READONLY replica, out of memory
             raise StoreUnavailable(f"store {self.location} refused the request: {exc}") from None
@@ -215,14 +273,59 @@ class RedisStore:
         if not is_key(key):
             raise ValueError(f"not an artifact key: {key!r}")
 
-    def _entry(self, key: str) -> dict[bytes, bytes] | None:
-        entry = self.client.hgetall(f"kiln:bundle:{key}")
-        return entry if entry and b"manifest" in entry else None
+    def _fields(self, key: str, bounds: dict[str, int], client=None) -> "dict[str, bytes | int | None] | None":
+        """The entry's fields, none over its bound (an int, its length, stands for one that is), or None when
+        there is no entry; a key of another type reads as an entry whose manifest is missing."""
+        argv = [x for name, most in bounds.items() for x in (name, most)]
+        found = self._read_entry(keys=[f"kiln:bundle:{key}"], args=argv, client=client)
+        if found is None:
+            return None
+        if isinstance(found, bytes):
+            return {"type": found}
+        return dict(zip(bounds, found, strict=True))
 
-    def _chunk_keys(self, key: str, entry: dict[bytes, bytes]) -> list[str]:
-        generation = entry.get(b"generation", b"").decode()
-        counts = json.loads(entry.get(b"chunks", b"{}"))
-        return [f"kiln:chunk:{key}:{generation}:{name}:{i}" for name, n in counts.items() for i in range(n)]
+    def _entry(self, key: str, fields: dict) -> "_Entry":
+        """The entry, every field checked: against its bound, the manifest's signature (with ``trusted``) and the
+        configured maxima; CorruptBundle (or UntrustedBundle) naming what is wrong, before anything is read."""
+        where = f"bundle {key} in the store {self.location}"
+        if "type" in fields:
+            raise CorruptBundle(f"{where}: a {fields['type'].decode(errors='replace')}, not a hash")
+        for name, value in fields.items():
+            if isinstance(value, int):
+                raise CorruptBundle(f"{where}: its {name} is {value} bytes, more than the {_ENTRY_FIELDS[name]} it "
+                                    f"may hold")
+        manifest_bytes, signature = fields["manifest"], fields["signature"]
+        if manifest_bytes is None:
+            raise CorruptBundle(f"{where}: no manifest")
+        generation, chunk_bytes = fields["generation"] or b"", fields["chunk_bytes"] or b""
+        if not _GENERATION.fullmatch(generation):
+            raise CorruptBundle(f"{where}: its generation {generation[:32]!r} is not 32 hex digits")
+        if not (chunk_bytes.isdigit() and MIN_CHUNK_BYTES <= int(chunk_bytes) <= MAX_CHUNK_BYTES):
+            raise CorruptBundle(f"{where}: its chunk_bytes {chunk_bytes[:12]!r} is not a number in "
+                                f"[{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}] (written by a Kiln before chunk_bytes?)")
+        try:
+            text = manifest_bytes.decode()
+        except UnicodeDecodeError:
+            raise CorruptBundle(f"{where}: its manifest is not UTF-8") from None
+        if self.trusted is not None:  # before anything else of the entry is believed
+            if signature is None:
+                raise UntrustedBundle(key, "none", "unsigned (no signature in the store)")
+            try:
+                signature_text = signature.decode()
+            except UnicodeDecodeError:
+                raise UntrustedBundle(key, "unreadable", "its signature is not UTF-8") from None
+            manifest = bundle.check_signed(text, signature_text, key, self.trusted)[0]
+        else:
+            manifest = Manifest.from_json(text)
+            if manifest.key != key:
+                raise CorruptBundle(f"{where}: its manifest is of bundle {manifest.key[:12]}")
+        entry = _Entry(manifest_bytes, signature, manifest, generation.decode(), int(chunk_bytes))
+        if manifest.total_bytes > self.max_bundle_bytes:
+            raise CorruptBundle(f"{where}: {manifest.total_bytes} bytes, more than the {self.max_bundle_bytes} this "
+                                f"store reads")
+        if entry.num_chunks > MAX_CHUNKS:
+            raise CorruptBundle(f"{where}: {entry.num_chunks} chunks, more than the {MAX_CHUNKS} this store reads")
+        return entry
 
     def _upload(self, key: str, generation: str, name: str, path: Path) -> int:
         """One file as chunks that expire unless a commit makes them permanent; returns the number of chunks."""
@@ -240,7 +343,8 @@ class RedisStore:
 
     def _publish(self, key: str, lease: Lease, generation: str, chunks: dict[str, int], manifest: bytes,
                  signature: bytes | None) -> None:
-        """Make the new generation the bundle, atomically, if no newer lease was granted since ours."""
+        """Make the new generation the bundle, atomically, if no newer lease was granted since ours. The previous
+        generation's chunks expire with it; those of one that does not read are found by a scan afterwards."""
         fence_key, bundle_key = f"kiln:fence:{key}", f"kiln:bundle:{key}"
         new_chunks = [f"kiln:chunk:{key}:{generation}:{name}:{i}" for name, n in chunks.items() for i in range(n)]
         with self.client.pipeline(transaction=True) as pipe:
@@ -255,62 +359,60 @@ class RedisStore:
                         raise LeaseLost(f"store {self.location}: the lease on {key} passed to another compile "
                                         f"service (fence {fence}, ours {lease.token}); this compile was not "
                                         f"committed, the other one's stands")
-                    old = pipe.hgetall(bundle_key)
+                    old = self._fields(key, _ENTRY_FIELDS, client=pipe)
+                    try:
+                        superseded = self._entry(key, old).chunk_keys(key) if old else []
+                    except (CorruptBundle, UntrustedBundle):
+                        superseded = None
                     pipe.multi()
                     for chunk_key in new_chunks:
                         pipe.persist(chunk_key)
-                    for chunk_key in self._chunk_keys(key, old) if old else []:
+                    for chunk_key in superseded or []:
                         pipe.expire(chunk_key, SUPERSEDED_GRACE_S)
                     pipe.delete(bundle_key)
                     pipe.hset(bundle_key, mapping={
-                        "manifest": manifest, "generation": generation, "chunks": json.dumps(chunks),
-                        "fence": lease.token, "committed_unix": time.time(),
+                        "manifest": manifest, "generation": generation, "chunk_bytes": self.chunk_bytes,
+                        "chunks": json.dumps(chunks), "fence": lease.token, "committed_unix": time.time(),
                         **({"signature": signature} if signature is not None else {})})
                     pipe.zadd("kiln:index", {key: time.time()})
                     pipe.execute()
-                    return
+                    break
                 except redis.WatchError:
                     continue
+        if superseded is None:
+            self._remove_chunks(key, keep=generation)
 
-    def _download(self, key: str, entry: dict[bytes, bytes]) -> Path:
-        """Stream every file of ``entry`` to a local staging directory, checking sizes and sha256s as it goes."""
-        try:
-            manifest = Manifest.from_json(entry[b"manifest"].decode())
-            counts = json.loads(entry[b"chunks"])
-            generation = entry[b"generation"].decode()
-        except (KeyError, ValueError, TypeError, UnicodeDecodeError) as exc:
-            raise CorruptBundle(f"bundle {key} in the store {self.location}: unreadable entry ({exc})") from None
-        if manifest.key != key or set(counts) != set(manifest.files):
-            raise CorruptBundle(f"bundle {key} in the store {self.location}: its manifest does not describe it")
+    def _download(self, key: str, entry: "_Entry") -> Path:
+        """Stream every file of ``entry`` to a local staging directory, checking sizes and sha256s as it goes; the
+        signature was checked before (``_entry``), so no byte of an untrusted bundle reaches the disk."""
         staged = self.cache.staging_dir()
         try:
-            for name, expected in manifest.files.items():
-                self._download_file(key, generation, name, counts[name], expected, staged / name)
-            (staged / bundle.MANIFEST).write_bytes(entry[b"manifest"])
-            if b"signature" in entry:
-                (staged / bundle.SIGNATURE).write_bytes(entry[b"signature"])
-            if self.trusted is not None:
-                bundle.verify_signed(staged, key, self.trusted)
+            for name, expected in entry.manifest.files.items():
+                self._download_file(key, entry, name, expected, staged / name)
+            (staged / bundle.MANIFEST).write_bytes(entry.manifest_bytes)
+            if entry.signature is not None:
+                (staged / bundle.SIGNATURE).write_bytes(entry.signature)
             return self.cache.commit(key, staged)
         except BaseException:
             self.cache.discard(staged)
             raise
 
-    def _download_file(self, key: str, generation: str, name: str, count: int, expected: dict, dest: Path) -> None:
-        digest, size = hashlib.sha256(), 0
-        per_batch = max(1, BATCH_BYTES // self.chunk_bytes)
+    def _download_file(self, key: str, entry: "_Entry", name: str, expected: dict, dest: Path) -> None:
+        """Each chunk read no longer than ``chunk_bytes`` (GETRANGE): a planted huge value costs one chunk."""
+        digest, size, count = hashlib.sha256(), 0, entry.chunks_of(name)
+        per_batch = max(1, BATCH_BYTES // entry.chunk_bytes)
         with open(dest, "wb") as f:
             for start in range(0, count, per_batch):
                 pipe = self.client.pipeline(transaction=False)
                 for i in range(start, min(count, start + per_batch)):
-                    pipe.get(f"kiln:chunk:{key}:{generation}:{name}:{i}")
+                    pipe.getrange(f"kiln:chunk:{key}:{entry.generation}:{name}:{i}", 0, entry.chunk_bytes)
                 for chunk in pipe.execute():
-                    if chunk is None:
-                        if self.client.hget(f"kiln:bundle:{key}", "generation") != generation.encode():
+                    if not chunk:  # chunks are never empty: a missing key
+                        if self.client.hget(f"kiln:bundle:{key}", "generation") != entry.generation.encode():
                             raise _Superseded
                         raise CorruptBundle(f"bundle {key} in the store {self.location}: {name} has a missing chunk")
                     size += len(chunk)
-                    if size > expected["size"]:
+                    if size > expected["size"] or len(chunk) > entry.chunk_bytes:
                         raise CorruptBundle(f"bundle {key} in the store {self.location}: {name} is larger than "
                                             f"its manifest's {expected['size']} bytes")
                     digest.update(chunk)
@@ -319,39 +421,110 @@ class RedisStore:
             raise CorruptBundle(f"bundle {key} in the store {self.location}: {name} differs from its manifest's "
                                 f"size and sha256")
 
-    def _corrupt(self, key: str, entry: dict[bytes, bytes], exc: CorruptBundle | UntrustedBundle) -> None:
-        """A reader refuses a corrupt bundle; a writer removes it, or one its keys do not verify (if no commit
-        replaced it meanwhile), so it is compiled again."""
+    def _corrupt(self, key: str, generation: "bytes | int | None", exc: CorruptBundle | UntrustedBundle) -> None:
+        """A reader refuses a bad entry; a writer removes it (if no commit replaced it meanwhile), so it is
+        compiled again."""
         if self.read_only:
             raise exc
         log.warning("%s; removing it so that it is compiled again", exc)
         with contextlib.suppress(redis.WatchError), self.client.pipeline(transaction=True) as pipe:
             pipe.watch(f"kiln:bundle:{key}")
-            if pipe.hget(f"kiln:bundle:{key}", "generation") == entry.get(b"generation"):
-                pipe.multi()
-                pipe.delete(f"kiln:bundle:{key}", *self._chunk_keys(key, entry))
-                pipe.zrem("kiln:index", key)
-                pipe.execute()
+            now = self._fields(key, {"generation": 32}, client=pipe)
+            if now is None or now.get("generation") != generation:
+                return None
+            pipe.multi()
+            pipe.delete(f"kiln:bundle:{key}")
+            pipe.zrem("kiln:index", key)
+            pipe.execute()
+        self._remove_chunks(key, only=generation if isinstance(generation, bytes) else None)
         return None
 
+    def _remove_chunks(self, key: str, only: bytes | None = None, keep: str | None = None) -> int:
+        """Delete the chunks of ``key`` (of one generation with ``only``, all but ``keep``'s otherwise), found by a
+        scan rather than by what an entry says; returns their bytes. Memory: one batch of names."""
+        generation = only.decode() if only is not None and _GENERATION.fullmatch(only) else None
+        pattern = f"kiln:chunk:{key}:{generation}:*" if generation else f"kiln:chunk:{key}:*"
+        skip = f"kiln:chunk:{key}:{keep}:".encode() if keep else None
+        freed, batch = 0, []
+        for name in self.client.scan_iter(match=pattern, count=1000):
+            if skip is None or not name.startswith(skip):
+                batch.append(name)
+            if len(batch) >= 1000:
+                freed += self._delete_counted(batch)
+                batch = []
+        return freed + (self._delete_counted(batch) if batch else 0)
+
+    def _delete_counted(self, names: list[bytes]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.strlen(name)
+        pipe.delete(*names)
+        return sum(pipe.execute()[:-1])
+
     # Last: as a method name, ``list`` would shadow the builtin in the annotations of the methods after it.
-    def list(self) -> list[StoredArtifact]:
-        out = []
+    def list(self) -> Listing:
+        """Every bundle of the index whose manifest reads, and each one that does not with why (it is that
+        key's DATA_LOSS, never the listing's); at most MAX_LISTED, the most recently used first."""
+        artifacts, unreadable = [], {}
         with self._reachable():
-            scored = self.client.zrange("kiln:index", 0, -1, withscores=True)
+            scored = self.client.zrevrange("kiln:index", 0, MAX_LISTED - 1, withscores=True)
             for start in range(0, len(scored), 256):
                 batch = scored[start:start + 256]
                 pipe = self.client.pipeline(transaction=False)
-                for member, _ in batch:
-                    pipe.hget(f"kiln:bundle:{member.decode()}", "manifest")
-                for (member, last_used), manifest in zip(batch, pipe.execute(), strict=True):
-                    if manifest is None:
+                members = [member.decode(errors="replace") for member, _ in batch]
+                for member in members:
+                    self._read_entry(keys=[f"kiln:bundle:{member}"],
+                                     args=["manifest", MAX_MANIFEST_BYTES], client=pipe)
+                for member, (_, last_used), found in zip(members, batch, pipe.execute(), strict=True):
+                    if found is None and is_key(member):
                         continue  # deleted between the two reads
                     try:
-                        out.append(StoredArtifact(Manifest.from_json(manifest.decode()), last_used))
-                    except (ValueError, TypeError):
-                        log.warning("store %s: unreadable manifest for %s", self.location, member.decode()[:12])
-        return sorted(out, key=lambda a: a.manifest.key)
+                        artifacts.append(StoredArtifact(self._listed(member, found), last_used))
+                    except CorruptBundle as exc:
+                        log.warning("%s", exc)
+                        unreadable[member[:64]] = str(exc)
+        return Listing(sorted(artifacts, key=lambda a: a.manifest.key), unreadable)
+
+    def _listed(self, member: str, found: "bytes | list | None") -> Manifest:
+        where = f"bundle {member[:64]!r} in the store {self.location}"
+        if not is_key(member):
+            raise CorruptBundle(f"{where}: not an artifact key")
+        if isinstance(found, bytes):
+            raise CorruptBundle(f"{where}: a {found.decode(errors='replace')}, not a hash")
+        manifest = found[0]
+        if not isinstance(manifest, bytes):
+            raise CorruptBundle(f"{where}: its manifest is missing or more than {MAX_MANIFEST_BYTES} bytes")
+        try:
+            parsed = Manifest.from_json(manifest.decode())
+        except UnicodeDecodeError:
+            raise CorruptBundle(f"{where}: its manifest is not UTF-8") from None
+        except CorruptBundle as exc:
+            raise CorruptBundle(f"{where}: {exc}") from None
+        if parsed.key != member:
+            raise CorruptBundle(f"{where}: its manifest is of bundle {parsed.key[:12]}")
+        return parsed
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A bundle's entry once every field was checked: what a download reads, and nothing it does not."""
+
+    manifest_bytes: bytes
+    signature: bytes | None
+    manifest: Manifest
+    generation: str
+    chunk_bytes: int
+
+    def chunks_of(self, name: str) -> int:
+        return -(-self.manifest.files[name]["size"] // self.chunk_bytes)
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(self.chunks_of(name) for name in self.manifest.files)
+
+    def chunk_keys(self, key: str) -> list[str]:
+        return [f"kiln:chunk:{key}:{self.generation}:{name}:{i}" for name in self.manifest.files
+                for i in range(self.chunks_of(name))]
 
 
 class _Superseded(Exception):

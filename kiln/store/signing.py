@@ -15,6 +15,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from kiln.json_object import bounded_loads
+
 PRIVATE_KEY_FILE = "signing.key"
 PUBLIC_KEY_FILE = "signing.pub"
 ALGORITHM = "ed25519"
@@ -51,7 +53,7 @@ class Signature:
     @classmethod
     def from_json(cls, text: str) -> "Signature":
         try:
-            fields = json.loads(text)
+            fields = bounded_loads(text)
             if fields.get("algorithm") != ALGORITHM:
                 raise UntrustedSignature(f"signature algorithm {fields.get('algorithm')!r} is not {ALGORITHM}")
             return cls(str(fields["signer"]), base64.b64decode(fields["signature"], validate=True))
