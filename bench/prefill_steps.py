@@ -43,10 +43,10 @@ MAX_TOKENS = 512
 
 async def compile_bundle(store: Path, spec: common_pb2.ModelSpec, config) -> str:
     """The bundle's key, compiled by a compile service started here for it."""
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
     signing_key, _ = generate_key_pair(local_keys_dir(store))
-    server, port = await start_compile_server(store, "127.0.0.1:0", signer=Signer.load(signing_key))
+    server, port = await start_compile_server(CompileServerSettings("127.0.0.1:0", store, Signer.load(signing_key)))
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
             key = ""
@@ -83,7 +83,7 @@ def main() -> None:
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     spec = common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16")
-    config = common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=MAX_TOKENS)
+    config = common_pb2.CompileConfig(device="cuda", max_compiled_tokens=MAX_TOKENS)
     with tempfile.TemporaryDirectory() as tmp:
         key = asyncio.run(compile_bundle(Path(tmp) / "store", spec, config))
         torch.set_grad_enabled(False)

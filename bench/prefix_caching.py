@@ -102,7 +102,7 @@ def load_request(args, name: str, caching: bool) -> exec_pb2.LoadModelRequest:
                   args.turns * (args.chat_new_tokens + args.chat_output_len), args.max_prompt + args.output_len)
     return exec_pb2.LoadModelRequest(
         name=name, model=common_pb2.ModelSpec(preset=args.preset, dtype=args.dtype),
-        config=common_pb2.CompileConfig(device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
+        config=common_pb2.CompileConfig(device=args.device, max_compiled_tokens=args.max_num_batched_tokens,
                                         compile_sizes=args.compile_sizes),
         max_num_seqs=args.max_num_seqs, max_model_len=longest + 16, enable_prefix_caching=caching)
 

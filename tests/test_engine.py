@@ -124,6 +124,28 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(engine):
     assert engine.num_running == 0 and engine.num_free_blocks == engine.runner.num_blocks  # nothing leaked
 
 
+def test_a_bug_outside_a_step_ends_every_request_instead_of_hanging(engine):
+    """The scheduler itself raises (a bookkeeping bug, such as a block freed twice): the engine thread stops, the
+    requests it held end with INTERNAL at once, and a later request is refused with the same status."""
+    schedule, calls = engine.scheduler.schedule, iter(range(1000))
+
+    def broken():
+        if next(calls) == 3:  # the three requests are running by then
+            raise AssertionError("block 7 freed twice")
+        return schedule()
+
+    async def run():
+        engine.scheduler.schedule = broken
+        streams = [outcome(engine, request(f"r{i}", max_tokens=50)) for i in range(3)]
+        return await asyncio.wait_for(asyncio.gather(*streams), timeout=30)
+
+    results = asyncio.run(run())
+    assert all(isinstance(error, Internal) and "its engine stopped (AssertionError: block 7 freed twice)" in str(error)
+               for _, error in results), results
+    with pytest.raises(Internal, match="its engine stopped"):
+        asyncio.run(outcome(engine, request("after")))
+
+
 # Through the real server: many streams at once, each equal to itself run alone.
 
 STREAMS = 64

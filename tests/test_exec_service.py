@@ -388,9 +388,10 @@ def test_bad_load_requests(exec_stub, tiny_key, tiny_loaded):
 
 def test_bad_piecewise_capture_sizes_are_refused_naming_the_field(exec_stub):
     cases = [
-        (dict(piecewise_capture_sizes=[-1]), "piecewise_capture_sizes: -1 is not a positive token count"),
+        (dict(piecewise_capture_sizes=[-1]), "piecewise_capture_sizes[0]: -1 is outside [0, 131072]"),
         (dict(piecewise_capture_sizes=[0, 16]), "piecewise_capture_sizes: 0 is not a positive token count"),
-        (dict(piecewise_capture_sizes=list(range(1, 66))), "piecewise_capture_sizes: 65 sizes, at most 64"),
+        (dict(piecewise_capture_sizes=list(range(1, 66))),
+         "piecewise_capture_sizes: 65 values, more than the 64 it may hold"),
         (dict(piecewise_capture_sizes=[16, 128], max_num_batched_tokens=64),
          "piecewise_capture_sizes: 128 exceeds max_num_batched_tokens 64"),
         (dict(piecewise_capture_sizes=[16]), "piecewise_capture_sizes: given, but runtime_mode is compiled"),

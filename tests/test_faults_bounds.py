@@ -84,11 +84,11 @@ CASES = [(method, name, path, what, value) for method, name, path in request_fie
 
 @pytest.fixture(scope="module")
 def stubs(tmp_path_factory, signer, trusted_keys):
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
     from exec_service.server import ExecServerSettings, start_exec_server
 
-    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
-                                                                   signer=signer))
+    compile_server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", tmp_path_factory.mktemp("store"), signer)))
     exec_server = BackgroundServer(lambda: start_exec_server(ExecServerSettings(
         "127.0.0.1:0", trusted_keys, None, cache_dir=tmp_path_factory.mktemp("cache"))))
     channels = [grpc.insecure_channel(s.address, options=CHANNEL_OPTIONS) for s in (compile_server, exec_server)]

@@ -69,13 +69,13 @@ def model_dir(root: Path, vocab: int, padding: int = 0) -> Path:
 
 
 def test_a_config_json_swapped_for_a_link_is_never_read_outside_the_root(tmp_path, signer):
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
     root = tmp_path / "root"
     model = model_dir(root / "model", INSIDE_VOCAB, PADDING)
     outside = model_dir(tmp_path / "outside", OUTSIDE_VOCAB)
-    server = BackgroundServer(lambda: start_compile_server(tmp_path / "store", "127.0.0.1:0", signer=signer,
-                                                           model_roots=[root]))
+    server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", tmp_path / "store", signer, model_roots=(root,))))
     channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
     stub = compile_pb2_grpc.CompileServiceStub(channel)
     vocabs, refused = [], []

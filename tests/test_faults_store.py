@@ -117,10 +117,10 @@ def test_an_unsigned_bundle_never_reaches_a_replicas_disk(redis_server, tmp_path
 def test_one_bad_entry_is_that_keys_data_loss_and_list_artifacts_skips_it(redis_server, tmp_path, signer):
     """Through the compile service on Redis: an oversized manifest, a string where a hash belongs and a name that is
     no key sit beside a good bundle; ListArtifacts lists the good one, names the others, and removes the bad keys."""
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
-    server = BackgroundServer(lambda: start_compile_server(redis_server.url(), "127.0.0.1:0", signer=signer,
-                                                           cache_dir=tmp_path / "cache"))
+    server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", redis_server.url(), signer, cache_dir=tmp_path / "cache")))
     channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
     try:
         store = RedisStore(redis_server.url(), tmp_path / "writer", chunk_bytes=CHUNK, signer=signer)
@@ -222,12 +222,12 @@ def compile_threads() -> list[str]:
 def test_a_compile_waiting_on_a_held_lock_gives_up_at_the_calls_deadline(backend, tmp_path, signer):
     """Another holder keeps the key's lock (a live lease, or the lock file's flock): the Compile ends at its
     deadline, and so does the worker thread that waited for it, rather than waiting on for a client that is gone."""
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
 
     redis = RedisServer(tmp_path / "redis").start() if backend == "redis" else None
     store = redis.url() if redis else tmp_path / "store"
-    server = BackgroundServer(lambda: start_compile_server(store, "127.0.0.1:0", signer=signer,
-                                                           cache_dir=tmp_path / "cache"))
+    server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", store, signer, cache_dir=tmp_path / "cache")))
     channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
     release = threading.Event()
     try:

@@ -45,11 +45,11 @@ GEMMA2 = {"model_type": "gemma2", "hidden_size": 256, "intermediate_size": 512, 
 @pytest.fixture(scope="module")
 def piecewise_servers(tmp_path_factory, signer, trusted_keys):
     """A compile service, an exec service on it, and what an in-process start_model needs to use them too."""
-    from compile_service.server import start_compile_server
+    from compile_service.server import CompileServerSettings, start_compile_server
     from exec_service.server import ExecServerSettings, start_exec_server
 
-    compile_server = BackgroundServer(lambda: start_compile_server(tmp_path_factory.mktemp("store"), "127.0.0.1:0",
-                                                                   signer=signer))
+    compile_server = BackgroundServer(lambda: start_compile_server(CompileServerSettings(
+        "127.0.0.1:0", tmp_path_factory.mktemp("store"), signer)))
     cache = tmp_path_factory.mktemp("cache")
     steps: list = []
     settings = ExecServerSettings("127.0.0.1:0", trusted_keys, compile_server.address, cache_dir=cache)

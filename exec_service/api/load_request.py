@@ -12,7 +12,7 @@ from kiln.model.hub import is_hub_id
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
 from kiln.quantization.model_quantization import fp8_unsupported
-from kiln.rpc.field_bounds import MAX_KV_CACHE_SCALE, MAX_PIECEWISE_SIZES
+from kiln.rpc.field_bounds import MAX_KV_CACHE_SCALE
 from kiln.runtime_mode import RuntimeMode
 from protos import exec_pb2
 
@@ -112,8 +112,6 @@ def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMod
         return tuple(s for s in DEFAULT_PIECEWISE_CAPTURE_SIZES if s <= max_num_batched_tokens)
     if sizes == [0]:
         return ()
-    if len(sizes) > MAX_PIECEWISE_SIZES:
-        raise InvalidArgument(f"piecewise_capture_sizes: {len(sizes)} sizes, at most {MAX_PIECEWISE_SIZES}")
     for size in sizes:
         if size < 1:
             raise InvalidArgument(f"piecewise_capture_sizes: {size} is not a positive token count ([0] alone turns "

@@ -74,6 +74,7 @@ class Engine:
         self._num_held = 0  # read on the event loop (num_waiting), so not summed over _held there
         self._wakeup = threading.Condition()
         self._stopping = False
+        self.failure: KilnError | None = None  # why the engine thread stopped by itself (a bug outside a step)
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
     def start(self) -> None:
@@ -85,12 +86,16 @@ class Engine:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join()
-        gone = error or Unavailable(f"model: {self.name!r} was unloaded")
-        for message in self._inbox:
+        self._end_all(error or Unavailable(f"model: {self.name!r} was unloaded"))
+
+    def _end_all(self, error: KilnError) -> None:
+        """End every request the engine holds, queued or scheduled, with ``error``."""
+        inbox, self._inbox = self._inbox, []
+        for message in inbox:
             if isinstance(message, NewRequest):
-                message.stream.put(RequestOutput(error=gone))
+                message.stream.put(RequestOutput(error=error))
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._end(seq, RequestOutput(error=gone))
+            self._end(seq, RequestOutput(error=error))
 
     # Called on the event loop.
 
@@ -113,7 +118,7 @@ class Engine:
         stream = RequestStream(asyncio.get_running_loop(), len(seqs))
         with self._wakeup:
             if self._stopping:
-                raise Unavailable(f"model: {self.name!r} is being unloaded")
+                raise self.failure or Unavailable(f"model: {self.name!r} is being unloaded")
             if self.num_waiting + len(seqs) > self.config.max_num_waiting:
                 raise ResourceExhausted(f"model: {self.name!r} has {self.num_waiting} of its max_num_waiting "
                                         f"{self.config.max_num_waiting} sequences waiting, no room for {len(seqs)} "
@@ -155,6 +160,16 @@ class Engine:
     # The engine thread.
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # noqa: BLE001 - a bug outside a step (scheduling, bookkeeping): never a hang
+            log.exception("%s: the engine stopped", self.name)
+            failure = Internal(f"model {self.name!r}: its engine stopped ({first_line(exc)}); load it again")
+            with self._wakeup:
+                self._stopping, self.failure = True, failure
+                self._end_all(failure)
+
+    def _serve(self) -> None:
         in_flight: LaunchedStep | None = None
         while True:
             with self._wakeup:
