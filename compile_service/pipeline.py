@@ -23,6 +23,7 @@ from kiln.errors import Internal, KilnError, first_line, resource_error
 from kiln.model.causal_lm import TokenModel, build_model
 from kiln.model.layer_regions import LayerStep
 from kiln.model.spec import ResolvedModel
+from kiln.model.tensor_parallel import TensorParallel
 from kiln.store import bundle
 from kiln.store.artifact_store import ArtifactStore
 from tracing import spans
@@ -124,7 +125,8 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
     then trace, split, Inductor and save."""
     timings = {"key": key_s, "trace": 0.0, "split": 0.0, "inductor": 0.0}
     t = time.perf_counter()
-    module = build_model(model, config.device, quantization=config.quantization)
+    module = build_model(model, config.device, quantization=config.quantization,
+                         tensor_parallel=TensorParallel(0, config.tensor_parallel_size))
     timings["build"] = time.perf_counter() - t
     compiled, num_pieces, num_splits = [], 0, 0
     torch._dynamo.reset()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x07kiln.v1\"q\n\tModelSpec\x12\x10\n\x06preset\x18\x01 \x01(\tH\x00\x12\x10\n\x06hf_dir\x18\x02 \x01(\tH\x00\x12\x15\n\x0b\x63onfig_json\x18\x03 \x01(\tH\x00\x12\x10\n\x06hub_id\x18\x19 \x01(\tH\x00\x12\r\n\x05\x64type\x18\x04 \x01(\tB\x08\n\x06source\"\x1b\n\x0cSplittingOps\x12\x0b\n\x03ops\x18\x01 \x03(\t\"\xe1\x01\n\rCompileConfig\x12,\n\rsplitting_ops\x18\x01 \x01(\x0b\x32\x15.kiln.v1.SplittingOps\x12\x15\n\rcompile_sizes\x18\x02 \x03(\x05\x12\"\n\x16max_num_batched_tokens\x18\x03 \x01(\x05\x42\x02\x18\x01\x12$\n\x1cinductor_config_patches_json\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1b\n\x13max_compiled_tokens\x18\x19 \x01(\x05\x12\x14\n\x0cquantization\x18\x14 \x01(\t\"\x1d\n\x0b\x41rtifactKey\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"-\n\x0bPhaseTiming\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\x07kiln.v1\"q\n\tModelSpec\x12\x10\n\x06preset\x18\x01 \x01(\tH\x00\x12\x10\n\x06hf_dir\x18\x02 \x01(\tH\x00\x12\x15\n\x0b\x63onfig_json\x18\x03 \x01(\tH\x00\x12\x10\n\x06hub_id\x18\x19 \x01(\tH\x00\x12\r\n\x05\x64type\x18\x04 \x01(\tB\x08\n\x06source\"\x1b\n\x0cSplittingOps\x12\x0b\n\x03ops\x18\x01 \x03(\t\"\xff\x01\n\rCompileConfig\x12,\n\rsplitting_ops\x18\x01 \x01(\x0b\x32\x15.kiln.v1.SplittingOps\x12\x15\n\rcompile_sizes\x18\x02 \x03(\x05\x12\"\n\x16max_num_batched_tokens\x18\x03 \x01(\x05\x42\x02\x18\x01\x12$\n\x1cinductor_config_patches_json\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x1b\n\x13max_compiled_tokens\x18\x19 \x01(\x05\x12\x14\n\x0cquantization\x18\x14 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x1e \x01(\x05\"\x1d\n\x0b\x41rtifactKey\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\"-\n\x0bPhaseTiming\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPLITTINGOPS']._serialized_start=147
   _globals['_SPLITTINGOPS']._serialized_end=174
   _globals['_COMPILECONFIG']._serialized_start=177
-  _globals['_COMPILECONFIG']._serialized_end=402
-  _globals['_ARTIFACTKEY']._serialized_start=404
-  _globals['_ARTIFACTKEY']._serialized_end=433
-  _globals['_PHASETIMING']._serialized_start=435
-  _globals['_PHASETIMING']._serialized_end=480
+  _globals['_COMPILECONFIG']._serialized_end=432
+  _globals['_ARTIFACTKEY']._serialized_start=434
+  _globals['_ARTIFACTKEY']._serialized_end=463
+  _globals['_PHASETIMING']._serialized_start=465
+  _globals['_PHASETIMING']._serialized_end=510
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,7 @@ class SplittingOps(_message.Message):
     def __init__(self, ops: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CompileConfig(_message.Message):
-    __slots__ = ("splitting_ops", "compile_sizes", "max_num_batched_tokens", "inductor_config_patches_json", "device", "max_compiled_tokens", "quantization")
+    __slots__ = ("splitting_ops", "compile_sizes", "max_num_batched_tokens", "inductor_config_patches_json", "device", "max_compiled_tokens", "quantization", "tensor_parallel_size")
     SPLITTING_OPS_FIELD_NUMBER: _ClassVar[int]
     COMPILE_SIZES_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class CompileConfig(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_COMPILED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     splitting_ops: SplittingOps
     compile_sizes: _containers.RepeatedScalarFieldContainer[int]
     max_num_batched_tokens: int
@@ -42,7 +43,8 @@ class CompileConfig(_message.Message):
     device: str
     max_compiled_tokens: int
     quantization: str
-    def __init__(self, splitting_ops: _Optional[_Union[SplittingOps, _Mapping]] = ..., compile_sizes: _Optional[_Iterable[int]] = ..., max_num_batched_tokens: _Optional[int] = ..., inductor_config_patches_json: _Optional[str] = ..., device: _Optional[str] = ..., max_compiled_tokens: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, splitting_ops: _Optional[_Union[SplittingOps, _Mapping]] = ..., compile_sizes: _Optional[_Iterable[int]] = ..., max_num_batched_tokens: _Optional[int] = ..., inductor_config_patches_json: _Optional[str] = ..., device: _Optional[str] = ..., max_compiled_tokens: _Optional[int] = ..., quantization: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ArtifactKey(_message.Message):
     __slots__ = ("digest",)

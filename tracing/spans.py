@@ -36,6 +36,7 @@ FULL_GRAPHS = "full_graphs"  # capture_cudagraphs: the whole model at every deco
 UNPICKLE = "unpickle"  # load_compiled: the compiled function out of the bundle
 WARM_UP = "warm_up"  # load_compiled: the compiled function's first calls, smallest and largest step
 WARM_UP_ATTENTION = "warm_up_attention"  # load_compiled: a prefill and a decode through the paged KV cache
+JOIN_RANKS = "join_ranks"  # load_compiled: the other ranks of a tensor-parallel model ready, in one group
 # Serving.
 FORWARD = "forward"
 FORWARD_STATS = "forward_stats"

@@ -1,5 +1,6 @@
 """A LoadModelRequest checked at the edge: what to load and the engine's limits, every error naming its field."""
 
+import dataclasses
 import re
 
 from exec_service.api.runtime_modes import runtime_mode_from_proto
@@ -11,6 +12,7 @@ from kiln.errors import InvalidArgument, NotFound, quote
 from kiln.model.hub import is_hub_id
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
+from kiln.model.tensor_parallel import check_shardable
 from kiln.quantization.model_quantization import fp8_unsupported
 from kiln.rpc.field_bounds import MAX_KV_CACHE_SCALE
 from kiln.runtime_mode import RuntimeMode
@@ -28,8 +30,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTarget:
     """Validated, with every client-named directory (model, weights) checked against ``roots``."""
-    compile_config = CompileConfig.from_proto(request.config)
+    compile_config = tensor_parallel_config(request, CompileConfig.from_proto(request.config))
     resolved = resolve(request.model, compile_config.device, roots)
+    check_shardable(resolved.config, compile_config.tensor_parallel_size)
     weights, pinned = request.weights or "dummy", None
     if weights != "dummy":
         # org/name[@revision]: its snapshot in the server's Hugging Face cache
@@ -41,6 +44,23 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
         name=model_name(request, resolved), spec=request.model, resolved=resolved, compile_config=compile_config,
         key=request.key.digest or None, engine_config=engine_config(request, resolved, compile_config),
         weights=weights, weights_seed=request.weights_seed, weights_dir=pinned)
+
+
+def tensor_parallel_config(request: exec_pb2.LoadModelRequest, compile_config: CompileConfig) -> CompileConfig:
+    """The compile config for the request's ranks: tensor_parallel_size, checked, is the bundle's too."""
+    size = request.tensor_parallel_size or 1
+    if request.config.tensor_parallel_size and compile_config.tensor_parallel_size != size:
+        raise InvalidArgument(f"config.tensor_parallel_size: {compile_config.tensor_parallel_size} differs from "
+                              f"tensor_parallel_size {size}; set only tensor_parallel_size")
+    if size == 1:
+        return compile_config
+    if compile_config.device != "cpu":
+        raise InvalidArgument(f"tensor_parallel_size: {size} ranks run on the CPU (gloo) so far, not on "
+                              f"{compile_config.device}")
+    if compile_config.quantization:
+        raise InvalidArgument(f"tensor_parallel_size: {size} ranks do not serve quantization "
+                              f"{compile_config.quantization!r} yet")
+    return dataclasses.replace(compile_config, tensor_parallel_size=size)
 
 
 def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
@@ -87,6 +107,13 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
     if max_num_waiting < 1:
         raise InvalidArgument(f"max_num_waiting: {max_num_waiting} must be positive")
     kv_cache_dtype, kv_cache_scale = _kv_cache_dtype(request, device)
+    tensor_parallel_size = compile_config.tensor_parallel_size
+    if tensor_parallel_size > 1 and kv_cache_dtype:
+        raise InvalidArgument(f"kv_cache_dtype: {kv_cache_dtype!r} is not served over {tensor_parallel_size} ranks "
+                              f"yet (tensor_parallel_size)")
+    if tensor_parallel_size > 1 and request.weights not in ("", "dummy"):
+        raise InvalidArgument(f"weights: over {tensor_parallel_size} ranks (tensor_parallel_size) only dummy "
+                              f"weights are served so far; a checkpoint is not loaded shard by shard yet")
     return EngineConfig(device=device, runtime_mode=mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
@@ -94,7 +121,8 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
                         kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
                         quantization=compile_config.quantization,
                         enable_prefix_caching=not request.HasField("enable_prefix_caching")
-                        or request.enable_prefix_caching, piecewise_capture_sizes=piecewise)
+                        or request.enable_prefix_caching, piecewise_capture_sizes=piecewise,
+                        tensor_parallel_size=tensor_parallel_size)
 
 
 def default_capture_sizes(largest_batch: int) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:
         runtime_mode=s.runtime_mode.value, device=s.device, vocab_size=s.vocab_size, kv_window=s.kv_window,
         dtype=s.dtype, kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization,
         prefix_caching=s.prefix_caching, piecewise_capture_sizes=s.piecewise_capture_sizes,
-        piecewise_graph_bytes=s.piecewise_graph_bytes,
+        piecewise_graph_bytes=s.piecewise_graph_bytes, tensor_parallel_size=s.tensor_parallel_size,
         timings=[common_pb2.PhaseTiming(phase=phase, seconds=seconds) for phase, seconds in s.timings])
 
 

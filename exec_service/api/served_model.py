@@ -44,6 +44,9 @@ class ServedModel:
         return seqs, stop
 
     def info(self) -> exec_pb2.ModelInfo:
+        failure = self.started.engine.failure if self.started is not None else None
+        if failure is not None:  # the engine stopped by itself (a lost rank, a bug): loading it again is the way
+            return exec_pb2.ModelInfo(name=self.name, state=exec_pb2.MODEL_STATE_FAILED, error=str(failure))
         info = exec_pb2.ModelInfo(name=self.name, state=self.state, error=self.error)
         if self.is_ready:
             engine = self.started.engine

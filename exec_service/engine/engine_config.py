@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # full KV blocks known by content and reused by later prompts
     # Piecewise graphs: token counts of prefill and mixed steps, () for none (complete: defaults filled in at the edge).
     piecewise_capture_sizes: tuple[int, ...] = ()
+    tensor_parallel_size: int = 1  # ranks, one process each; rank 0 (this process) schedules
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -56,6 +56,11 @@ class EndSequence:
 InboxMessage = NewRequest | Cancel | EndSequence
 
 
+class ModelLost(Unavailable):
+    """The model cannot step any more (a rank of a tensor-parallel model died, or the ranks fell out of step): the
+    engine ends every request it holds with this, and refuses new ones."""
+
+
 class Engine:
     def __init__(self, name: str, runner: ModelRunner, config: EngineConfig, eos_token_ids: frozenset[int],
                  step_observers: list[StepObserver] | None = None, prefix_root: bytes | None = None):
@@ -86,6 +91,7 @@ class Engine:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join()
+        self.runner.close()
         self._end_all(error or Unavailable(f"model: {self.name!r} was unloaded"))
 
     def _end_all(self, error: KilnError) -> None:
@@ -163,11 +169,16 @@ class Engine:
         try:
             self._serve()
         except Exception as exc:  # noqa: BLE001 - a bug outside a step (scheduling, bookkeeping): never a hang
-            log.exception("%s: the engine stopped", self.name)
-            failure = Internal(f"model {self.name!r}: its engine stopped ({first_line(exc)}); load it again")
+            if isinstance(exc, ModelLost):
+                log.error("%s: the engine stopped: %s", self.name, exc)
+                failure = exc
+            else:
+                log.exception("%s: the engine stopped", self.name)
+                failure = Internal(f"model {self.name!r}: its engine stopped ({first_line(exc)}); load it again")
             with self._wakeup:
                 self._stopping, self.failure = True, failure
                 self._end_all(failure)
+            self.runner.close()
 
     def _serve(self) -> None:
         in_flight: LaunchedStep | None = None
@@ -195,6 +206,8 @@ class Engine:
                     failure = exc
             if in_flight is not None:
                 self._finish(in_flight)
+            if isinstance(failure, ModelLost):
+                raise failure
             if failure is not None:  # after the step before it, so what that step finished ends normally
                 self._fail(batch, failure)
             in_flight = launched

@@ -27,11 +27,13 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+    def from_config(cls, config: PretrainedConfig, block_size: int, dtype: torch.dtype,
+                    tensor_parallel_size: int = 1) -> "KVCacheSpec":
+        """One rank's cache: its share of the KV heads (kiln.model.tensor_parallel divides them evenly)."""
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim, block_size, dtype)
+        return cls(config.num_hidden_layers, num_kv_heads // tensor_parallel_size, head_dim, block_size, dtype)
 
     @property
     def block_bytes(self) -> int:

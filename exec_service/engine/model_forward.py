@@ -25,3 +25,7 @@ class ModelForward:
             if self.compiled is None:
                 return self.token_model(input_ids, positions)
             return self.compiled_forward(input_ids, positions)
+
+    def close(self) -> None:
+        """Let go of what the forward holds besides tensors: nothing on one rank (TensorParallelForward: the
+        others)."""

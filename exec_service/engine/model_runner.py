@@ -80,6 +80,9 @@ class ModelRunner:
         # Recorded after each step's copy of its sampled ids, one per host set of the buffers.
         self._ready = [torch.cuda.Event(blocking=True) for _ in range(2)] if self.device == "cuda" else None
 
+    def close(self) -> None:
+        self.forward.close()
+
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks

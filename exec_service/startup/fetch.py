@@ -297,7 +297,8 @@ def check_factors(fetched: FetchedBundle, resolved: ResolvedModel, config: Compi
         "compile_config": cache_key.compile_config_factors(config),
     }
     if by_key:
-        expected["compile_config"] = {**stored.get("compile_config", {}), "device": config.device}
+        expected["compile_config"] = {**stored.get("compile_config", {}), "device": config.device,
+                                      "tensor_parallel_size": config.tensor_parallel_size}
     for group, here in expected.items():
         mismatches = cache_key.differences({group: stored.get(group)}, {group: here})
         if mismatches:

@@ -25,11 +25,13 @@ from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.model_runner import KVCache, ModelRunner
 from exec_service.engine.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.step_inputs import StepBuffers
+from exec_service.engine.tensor_parallel_forward import TensorParallelForward
 from exec_service.startup import kv_sizing
 from exec_service.startup.compiled_function import load_compiled, warm_up_compiled, warm_up_paged_attention
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle, StepFn
 from exec_service.startup.graph_capture import capture_full, capture_piecewise, full_graph_bytes
 from exec_service.startup.memory_profile import profile_memory
+from exec_service.startup.ranks import StartingRanks
 from exec_service.startup.weights import LoadedWeights, load_weights
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument, KilnError, quote, resource_error
@@ -102,6 +104,7 @@ class ModelSizing:
     piecewise_graph_bytes: int = 0  # of cudagraph_bytes, what the piecewise graphs and their inputs hold
     kv_cache_dtype: str = ""  # what the KV cache stores (the model's dtype, or float8_e4m3fn)
     quantization: str = ""  # "fp8" when the decoder's linears are FP8
+    tensor_parallel_size: int = 1  # ranks, one process each (the byte counts above are rank 0's)
 
 
 @dataclass
@@ -182,8 +185,23 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
     if fetched is not None and config.max_num_batched_tokens > fetched.max_compiled_tokens:
         raise InvalidArgument(f"max_num_batched_tokens: {config.max_num_batched_tokens} exceeds bundle "
                               f"{fetched.key[:12]}'s compiled token range [1, {fetched.max_compiled_tokens}]")
-    cudagraph = config.runtime_mode == RuntimeMode.CUDAGRAPH
+    ranks = None
+    if config.tensor_parallel_size > 1:  # they build and load their shards while this process does its own
+        ranks = StartingRanks.spawn(target.name, target.resolved, config, target.weights_seed, fetched,
+                                    fetcher.trusted)
+    try:
+        return _start_on_device(phases, target, fetcher, step_observers, emit, config, fetched, ranks, started)
+    except BaseException:
+        if ranks is not None:
+            ranks.abandon()
+        raise
 
+
+def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetcher,
+                     step_observers: list[StepObserver], emit: EmitFn, config: EngineConfig,
+                     fetched: FetchedBundle | None, ranks: StartingRanks | None, started: float) -> StartedModel:
+    """Every phase after the fetch, and the engine; with ``ranks``, rank 0's, the others joined at the end."""
+    cudagraph = config.runtime_mode == RuntimeMode.CUDAGRAPH
     # One model at a time from here to the engine, per process: the memory profile measures the device's peak,
     # which a concurrent load would inflate. Fetches (a compile on the compile service, a download) still overlap,
     # and so do other models' steps: loading a bundle traces nothing (kiln.compilation.piecewise.SplitForward).
@@ -196,7 +214,8 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
             span.set_attributes({spans.BYTES: loaded.weights_bytes, spans.WEIGHTS: target.weights})
 
         kv_spec = kv_cache.KVCacheSpec.from_config(target.resolved.config, config.block_size,
-                                                   kv_cache.cache_dtype(config.kv_cache_dtype, target.resolved.dtype))
+                                                   kv_cache.cache_dtype(config.kv_cache_dtype, target.resolved.dtype),
+                                                   config.tensor_parallel_size)
         with phases.phase(spans.PROFILE_MEMORY) as (event, span):
             with phases.step(spans.PROFILE_FORWARD):
                 activation_peak = profile_memory(loaded.token_model, config)
@@ -227,6 +246,10 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
                     warm_up_paged_attention(forward, scratch_kv, config.block_size, config.device, scratch_scales)
                 event.detail = f"{fetched.path.name[:12]}, no Dynamo, no Inductor"
                 span.set_attribute(spans.CACHE_KEY, fetched.key)
+            if ranks is not None:
+                with phases.step(spans.JOIN_RANKS):
+                    forward = TensorParallelForward(forward, ranks.join(kv.caches[0].shape[1]))
+                event.detail += f"; {ranks.size} ranks"
 
         full_graphs = piecewise_graphs = None
         cudagraph_bytes = 0
@@ -258,7 +281,8 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
         vocab_size=target.resolved.config.vocab_size, kv_window=kv.kv_window, dtype=target.resolved.dtype_name,
         kv_cache_dtype=str(kv_spec.dtype).removeprefix("torch."), quantization=loaded.quantization,
         prefix_caching=config.enable_prefix_caching, piecewise_capture_sizes=config.piecewise_capture_sizes,
-        piecewise_graph_bytes=piecewise_graphs.captured_bytes if piecewise_graphs else 0)
+        piecewise_graph_bytes=piecewise_graphs.captured_bytes if piecewise_graphs else 0,
+        tensor_parallel_size=config.tensor_parallel_size)
     return StartedModel(engine, sizing, tokenizer)
 
 

@@ -6,6 +6,7 @@ from exec_service.engine.engine_config import EngineConfig
 from kiln.attention.windows import kv_window, layer_windows
 from kiln.model.causal_lm import TokenModel, build_model, weights_bytes
 from kiln.model.spec import ResolvedModel
+from kiln.model.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,8 @@ class LoadedWeights:
 
 
 def load_weights(resolved: ResolvedModel, config: EngineConfig, weights: str, seed: int) -> LoadedWeights:
-    token_model = build_model(resolved, config.device, weights, seed, config.quantization)
+    token_model = build_model(resolved, config.device, weights, seed, config.quantization,
+                              TensorParallel(0, config.tensor_parallel_size))  # this process is rank 0
     window = kv_window(layer_windows(token_model, config.device))
     # A window that no sequence outgrows by a whole block never lets one go: then there is no null block either.
     window = window if window + config.block_size <= config.max_model_len else 0

@@ -7,6 +7,7 @@ from kiln.attention.op import ATTENTION_OP_NAME
 from kiln.compilation.inductor_options import parse_patches
 from kiln.errors import InvalidArgument, quote
 from kiln.model.spec import default_device
+from kiln.model.tensor_parallel import MAX_TENSOR_PARALLEL_SIZE
 from kiln.quantization.model_quantization import QUANTIZATIONS, check_supported, quantization_of
 from protos import common_pb2
 
@@ -26,6 +27,7 @@ class CompileConfig:
     inductor_config_patches: dict = field(default_factory=dict)
     device: str = "cpu"
     quantization: str = ""  # "fp8", or empty (kiln.quantization.model_quantization)
+    tensor_parallel_size: int = 1  # ranks the compiled layer is one shard of (kiln.model.tensor_parallel)
 
     def factors(self) -> dict:
         d = asdict(self)
@@ -37,6 +39,7 @@ class CompileConfig:
         split = ",".join(self.splitting_ops) or "full-graph"
         sizes = ",".join(map(str, self.compile_sizes)) or "-"
         quantized = f" {self.quantization}" if self.quantization else ""
+        quantized += f" tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
         return f"{self.device}{quantized} split={split} sizes={sizes} max_compiled_tokens={self.max_compiled_tokens}"
 
     @classmethod
@@ -70,6 +73,10 @@ class CompileConfig:
                                   f"{', '.join(repr(q) for q in QUANTIZATIONS)} (empty: none)")
         if msg.quantization:
             check_supported(quantization_of(None, msg.quantization), device, "config.quantization")
+        tensor_parallel_size = msg.tensor_parallel_size or 1
+        if not 1 <= tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise InvalidArgument(f"config.tensor_parallel_size: {msg.tensor_parallel_size} is outside "
+                                  f"[1, {MAX_TENSOR_PARALLEL_SIZE}] (0: 1)")
         return cls(
             splitting_ops=tuple(dict.fromkeys(splitting_ops)),
             compile_sizes=tuple(sorted(set(msg.compile_sizes))),
@@ -77,6 +84,7 @@ class CompileConfig:
             inductor_config_patches=dict(sorted(patches.items())),
             device=device,
             quantization=msg.quantization,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     def to_proto(self) -> common_pb2.CompileConfig:
@@ -87,6 +95,7 @@ class CompileConfig:
             inductor_config_patches_json=json.dumps(self.inductor_config_patches, sort_keys=True),
             device=self.device,
             quantization=self.quantization,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 

@@ -21,6 +21,7 @@ from kiln.model.device_memory import available_bytes
 from kiln.model.layer_regions import DecoderLayers
 from kiln.model.merged_projections import merge_projections
 from kiln.model.spec import ResolvedModel
+from kiln.model.tensor_parallel import TensorParallel, shard_layers
 from kiln.quantization import fp8_checkpoint
 from kiln.quantization.checkpoint_formats import Fp8Checkpoint
 from kiln.quantization.fp8_linear import Fp8Linear
@@ -54,7 +55,7 @@ class TokenModel(torch.nn.Module):
     by ``logits`` on the rows that need them only.
     """
 
-    def __init__(self, causal_lm: PreTrainedModel):
+    def __init__(self, causal_lm: PreTrainedModel, tensor_parallel: TensorParallel | None = None):
         super().__init__()
         self.causal_lm = causal_lm
         base = causal_lm.base_model
@@ -62,6 +63,8 @@ class TokenModel(torch.nn.Module):
             raise InvalidArgument(f"model config: {type(base).__name__} has no list of decoder layers to compile")
         layers = base.layers[:causal_lm.config.num_hidden_layers]
         merge_projections(layers)
+        if tensor_parallel is not None and tensor_parallel.size > 1:
+            shard_layers(layers, causal_lm.config, tensor_parallel)
         self.layers = DecoderLayers(layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -86,11 +89,16 @@ class TokenModel(torch.nn.Module):
 
 
 def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed: int = 0,
-                quantization: str = "") -> TokenModel:
+                quantization: str = "", tensor_parallel: TensorParallel | None = None) -> TokenModel:
     """The model with dummy weights (seeded) or the safetensors of a local HF directory, in eval mode; its decoder
     linears in FP8 when ``quantization`` is "fp8" or the model's config is an FP8 checkpoint's
-    (kiln.quantization.model_quantization)."""
+    (kiln.quantization.model_quantization). With ``tensor_parallel`` over more than one rank, its decoder layers are
+    that rank's shards (kiln.model.tensor_parallel), cut from dummy weights the same seed gives every rank."""
     fp8 = quantization_of(model.config, quantization)
+    sharded = tensor_parallel is not None and tensor_parallel.size > 1
+    if sharded and (fp8 is not None or weights not in ("", "dummy")):
+        raise InvalidArgument("tensor_parallel_size: over one rank, models are served with dummy weights in their "
+                              "own dtype only so far (no checkpoint directory, no FP8)")
     skeleton = _skeleton(model)
     _check_fits(skeleton, model, device, fp8)
     if weights in ("", "dummy"):
@@ -105,7 +113,7 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
             checkpoint.check(directory, skeleton)
             causal_lm = _load_pretrained(directory, model, device, _fp8_layer(fp8))
     causal_lm.config._attn_implementation = ATTENTION_IMPLEMENTATION
-    return TokenModel(causal_lm.eval()).eval()
+    return TokenModel(causal_lm.eval(), tensor_parallel).eval()
 
 
 # What transformers raises for a config it cannot build a model from: the caller's config, not Kiln's fault.

@@ -34,6 +34,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_REPETITION_PENALTY = 10.0
 MAX_PIECEWISE_SIZES = 64  # token counts with piecewise CUDA graphs: each is a capture of every piece
 MAX_KV_CACHE_SCALE = 1000.0  # an FP8 KV cache's scale
+MAX_TENSOR_PARALLEL_SIZE = 8  # ranks: the GPUs of one host (kiln.model.tensor_parallel, which imports no protobuf)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ BOUNDS: dict[str, Bound] = {
     "kiln.v1.CompileConfig.max_compiled_tokens": Bound(0, MAX_BATCHED_TOKENS, note="0 means 512"),
     "kiln.v1.CompileConfig.max_num_batched_tokens": Bound(0, MAX_BATCHED_TOKENS,
                                                           note="the old name of max_compiled_tokens"),
+    "kiln.v1.CompileConfig.tensor_parallel_size": Bound(0, MAX_TENSOR_PARALLEL_SIZE, note="0 means 1"),
     # compile.proto
     "kiln.v1.GetArtifactRequest.chunk_bytes": Bound(0, MAX_CHUNK_BYTES, note="0 means 1 MiB"),
     # exec.proto: LoadModelRequest
@@ -79,6 +81,7 @@ BOUNDS: dict[str, Bound] = {
     "kiln.v1.LoadModelRequest.piecewise_capture_sizes": Bound(0, MAX_BATCHED_TOKENS, max_count=MAX_PIECEWISE_SIZES,
                                                               note="[0] turns piecewise graphs off"),
     "kiln.v1.LoadModelRequest.kv_cache_scale": Bound(0, MAX_KV_CACHE_SCALE, note="0 means 1.0"),
+    "kiln.v1.LoadModelRequest.tensor_parallel_size": Bound(0, MAX_TENSOR_PARALLEL_SIZE, note="0 means 1"),
     # exec.proto: GenerateRequest
     "kiln.v1.GenerateRequest.prompt_ids": Bound(0, MAX_VOCAB - 1, max_count=MAX_TOKENS_PER_SEQUENCE),
     "kiln.v1.GenerateRequest.max_tokens": Bound(1, MAX_TOKENS_PER_SEQUENCE, note="unset means 16"),

@@ -1,0 +1,76 @@
+"""The other ranks of a tensor-parallel model as rank 0 holds them: their processes, watched, and the process group.
+
+A rank that exits on its own makes the model lost: rank 0's next collective fails at once (gloo sees the closed
+connection), and the reason names the rank and its exit status.
+"""
+
+import datetime
+import logging
+import subprocess
+import threading
+import time
+
+import torch.distributed as dist
+
+from exec_service.engine import step_broadcast
+from kiln.errors import first_line
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # for the ranks to leave their loop once told to stop, before they are killed
+EXIT_WAIT_S = 1.0  # after a failed collective, for a dying rank's exit status, which says more than gloo's error
+
+
+class RankGroup:
+    def __init__(self, name: str, group: dist.ProcessGroup, processes: list[subprocess.Popen]):
+        self.name = name
+        self.group = group
+        self.processes = processes  # ranks 1..N-1, in order
+        self.lost: str | None = None  # why the model cannot step any more, once it cannot
+        self._closing = False
+        for rank, process in enumerate(processes, start=1):
+            threading.Thread(target=self._watch, args=(rank, process), name=f"rank{rank}-{name}",
+                             daemon=True).start()
+
+    @property
+    def size(self) -> int:
+        return len(self.processes) + 1
+
+    def _watch(self, rank: int, process: subprocess.Popen) -> None:
+        code = process.wait()
+        if not self._closing:
+            self.lose(f"rank {rank} of {self.size} (pid {process.pid}) exited with status {code}")
+
+    def lose(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+            log.error("%s: %s; the model is lost", self.name, reason)
+
+    def failed(self, exc: Exception) -> None:
+        """A collective failed: the model is lost, for the rank that exited when one did."""
+        deadline = time.monotonic() + EXIT_WAIT_S
+        for rank, process in enumerate(self.processes, start=1):
+            try:
+                code = process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+            self.lose(f"rank {rank} of {self.size} (pid {process.pid}) exited with status {code}")
+        self.lose(f"a step failed across the ranks: {first_line(exc)}")
+
+    def close(self) -> None:
+        """Tell the ranks to stop (when they still listen), then end any that has not within the grace."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.lost is None:
+            try:
+                step_broadcast.send_stop(self.group, datetime.timedelta(seconds=STOP_GRACE_S))
+            except RuntimeError as exc:
+                log.warning("%s: the ranks did not hear stop: %s", self.name, exc)
+        for process in self.processes:
+            try:
+                process.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("%s: rank pid %d did not stop; killing it", self.name, process.pid)
+                process.kill()
+                process.wait()

@@ -1,0 +1,102 @@
+"""Starting the other ranks of a tensor-parallel model: one process each, spawned as the load begins so that they
+build and load their shards while rank 0 (this process) does its own, joined into one gloo group at the end.
+
+Each rank gets its spec on stdin (what to build, the bundle and the keys to verify it with, the store's port) and
+answers one line on stdout: ready, or the error that stopped it, which fails the load with the rank's status.
+"""
+
+import datetime
+import json
+import logging
+import select
+import subprocess
+import sys
+import time
+
+import torch.distributed as dist
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from exec_service.engine import step_broadcast
+from exec_service.engine.rank_group import RankGroup
+from exec_service.startup.fetch import FetchedBundle
+from exec_service.startup.rank_worker import engine_config_fields
+from kiln.errors import KilnError, Unavailable
+from kiln.model.spec import ResolvedModel
+from kiln.store.signing import TrustedKeys
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 600.0  # for every rank to build its shard and load the bundle
+_ERRORS = {cls.code: cls for cls in (KilnError, *KilnError.__subclasses__())}
+
+
+class StartingRanks:
+    """Ranks 1..N-1 of one model, spawned, not yet joined."""
+
+    def __init__(self, name: str, size: int, store: dist.TCPStore, processes: list[subprocess.Popen]):
+        self.name = name
+        self.size = size
+        self.store = store
+        self.processes = processes
+
+    @classmethod
+    def spawn(cls, name: str, resolved: ResolvedModel, engine_config, weights_seed: int,
+              fetched: FetchedBundle | None, trusted: TrustedKeys) -> "StartingRanks":
+        size = engine_config.tensor_parallel_size
+        timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
+        spec = {
+            "model": resolved.name, "model_config": resolved.config.to_json_string(use_diff=False),
+            "dtype": resolved.dtype_name, "weights_seed": weights_seed,
+            "engine_config": engine_config_fields(engine_config), "store_port": store.port,
+            "timeout_s": JOIN_TIMEOUT_S, "bundle": str(fetched.path) if fetched else None,
+            "key": fetched.key if fetched else "", "compile_sizes": list(fetched.compile_sizes) if fetched else [],
+            "trusted_keys": [key.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo).decode()
+                             for key in trusted.keys.values()],
+        }
+        processes = []
+        try:
+            for rank in range(1, size):
+                process = subprocess.Popen([sys.executable, "-m", "exec_service.startup.rank_worker"],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                processes.append(process)
+                process.stdin.write(json.dumps({**spec, "rank": rank}))
+                process.stdin.close()
+        except BaseException:
+            cls(name, size, store, processes).abandon()
+            raise
+        log.info("%s: started ranks 1..%d (pids %s)", name, size - 1, ", ".join(str(p.pid) for p in processes))
+        return cls(name, size, store, processes)
+
+    def join(self, num_blocks: int) -> RankGroup:
+        """Wait until every rank is ready, form the group and tell the ranks the KV cache's blocks. Any failure ends
+        the ranks and raises the one that stopped them."""
+        try:
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            for rank, process in enumerate(self.processes, start=1):
+                self._wait_ready(rank, process, deadline)
+            group = dist.ProcessGroupGloo(self.store, 0, self.size, datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+            step_broadcast.send_num_blocks(group, num_blocks)
+        except BaseException:
+            self.abandon()
+            raise
+        return RankGroup(self.name, group, self.processes)
+
+    def _wait_ready(self, rank: int, process: subprocess.Popen, deadline: float) -> None:
+        ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = process.stdout.readline() if ready else ""
+        if not ready:
+            raise Unavailable(f"model: rank {rank} of {self.name!r} was not ready within {JOIN_TIMEOUT_S:.0f} s")
+        if not line:
+            raise Unavailable(f"model: rank {rank} of {self.name!r} exited while loading (status "
+                              f"{process.wait()}); its log says why")
+        answer = json.loads(line)
+        if "error" in answer:
+            error = answer["error"]
+            raise _ERRORS.get(error["code"], KilnError)(error["message"])
+
+    def abandon(self) -> None:
+        """The load failed: end every rank."""
+        for process in self.processes:
+            process.kill()
+            process.wait()

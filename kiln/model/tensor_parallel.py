@@ -1,0 +1,137 @@
+"""Tensor parallelism: a decoder layer as one rank's shard of it, and the all-reduce that joins the shards.
+
+Megatron's split, as transformers' ``base_model_tp_plan`` for Llama has it: q/k/v and gate/up by output columns
+(each rank its heads, its KV heads, its part of the MLP), o and down by input rows, their partial products summed
+over the ranks by one all-reduce each. The embedding, the final norm and the head are replicated. Every rank's
+shard has the same shapes, so one compiled layer serves every rank.
+
+The all-reduce is a custom op (``kiln::tp_all_reduce``) rather than a functional collective: Dynamo traces a
+functional collective only against a live process group, whose name the compiled code then holds. The compile
+service serves many models and joins no group; the op is opaque to Dynamo and Inductor, so the compiled code calls it
+and the group is the one the calling thread set (``tensor_parallel_group``), per model, at run time.
+"""
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln.errors import InvalidArgument
+from kiln.model.merged_projections import ProjectionSlice
+
+TP_ALL_REDUCE_OP_NAME = "kiln::tp_all_reduce"
+MAX_TENSOR_PARALLEL_SIZE = 8  # the GPUs of one host
+# Families whose sharded layers are tested equal to one rank (tests/test_tensor_parallel.py).
+TENSOR_PARALLEL_FAMILIES = ("llama",)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int
+    size: int
+
+
+_local = threading.local()  # per thread: each model's engine steps in its own thread
+
+
+@contextmanager
+def tensor_parallel_group(group: torch.distributed.ProcessGroup) -> Iterator[None]:
+    """Sum the shards' partial products over ``group`` in the forwards this thread runs inside the block."""
+    previous = getattr(_local, "group", None)
+    _local.group = group
+    try:
+        yield
+    finally:
+        _local.group = previous
+
+
+@torch.library.custom_op(TP_ALL_REDUCE_OP_NAME, mutates_args=())
+def tp_all_reduce(partial: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's ``partial``. Outside a group (the compile service's forward that finds the layers'
+    inputs, and the execute service's memory profile and warm-ups, which each rank runs alone) the shard's own partial
+    sum stands: those forwards are for shapes and first calls, not for values."""
+    total = partial.clone()
+    group = getattr(_local, "group", None)
+    if group is not None:
+        group.allreduce([total]).wait()
+    return total
+
+
+@tp_all_reduce.register_fake
+def _(partial):
+    return torch.empty_like(partial)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """A linear whose input features are divided among the ranks: this rank's columns of the weight, the partial
+    products summed over the ranks, the bias (whole) added once after the sum."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.kiln.tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def check_shardable(config, size: int, field: str = "tensor_parallel_size") -> None:
+    """INVALID_ARGUMENT naming ``field`` for a model that cannot be divided into ``size`` shards."""
+    if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
+        raise InvalidArgument(f"{field}: {size} is outside [1, {MAX_TENSOR_PARALLEL_SIZE}]")
+    if size == 1:
+        return
+    if config.model_type not in TENSOR_PARALLEL_FAMILIES:
+        raise InvalidArgument(f"{field}: {size} ranks serve {', '.join(TENSOR_PARALLEL_FAMILIES)} models so far, "
+                              f"not {config.model_type!r}")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for name, count in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if count % size:
+            raise InvalidArgument(f"{field}: {size} ranks cannot divide the model's {name} {count}; choose a "
+                                  f"tensor_parallel_size that divides it")
+
+
+def shard_layers(layers: list[torch.nn.Module], config, tp: TensorParallel) -> None:
+    """Make each decoder layer (its q/k/v and gate/up merged, kiln.model.merged_projections) rank ``tp.rank``'s
+    shard, in place; the whole layer's tensors are let go as each shard is cut."""
+    check_shardable(config, tp.size)
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn.q_proj, ProjectionSlice) or not isinstance(mlp.gate_proj, ProjectionSlice):
+            raise InvalidArgument("tensor_parallel_size: the decoder's projections are not plain linears (FP8?); "
+                                  "tensor parallelism shards plain linears only")
+        q = attn.q_proj.out_features // tp.size
+        kv = attn.k_proj.out_features // tp.size
+        _shard_merged(attn, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), tp.rank)
+        attn.o_proj = _row_parallel(attn.o_proj, tp)
+        inner = mlp.gate_proj.out_features // tp.size
+        _shard_merged(mlp, ("gate_proj", "up_proj"), (inner, inner), tp.rank)
+        mlp.down_proj = _row_parallel(mlp.down_proj, tp)
+
+
+def _shard_merged(parent: torch.nn.Module, names: tuple[str, ...], widths: tuple[int, ...], rank: int) -> None:
+    """The group's merged weight cut to this rank's rows of each projection, merged again."""
+    slices = [getattr(parent, name) for name in names]
+    rows = [torch.arange(s.start + rank * w, s.start + (rank + 1) * w) for s, w in zip(slices, widths, strict=True)]
+    index = torch.cat(rows).to(slices[0].weight.device)
+    weight = torch.nn.Parameter(slices[0].weight.detach().index_select(0, index), requires_grad=False)
+    bias = None
+    if slices[0].bias is not None:
+        bias = torch.nn.Parameter(slices[0].bias.detach().index_select(0, index), requires_grad=False)
+    start = 0
+    for name, width in zip(names, widths, strict=True):
+        setattr(parent, name, ProjectionSlice(weight, bias, start, start + width))
+        start += width
+
+
+def _row_parallel(linear: torch.nn.Linear, tp: TensorParallel) -> RowParallelLinear:
+    width = linear.in_features // tp.size
+    weight = linear.weight.detach()[:, tp.rank * width:(tp.rank + 1) * width].contiguous()
+    return RowParallelLinear(weight, None if linear.bias is None else linear.bias.detach())

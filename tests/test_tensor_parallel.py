@@ -1,0 +1,115 @@
+"""Tensor parallelism on the CPU through the real servers: the tiny Llama over two gloo ranks (two processes),
+token for token what one rank gives, and the refusals and failures around it (docs/tensor-parallel.md)."""
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from protos import common_pb2, exec_pb2
+from tests.conftest import load_model
+
+PROMPTS = [[1, 5, 9, 200, 17], [3, 3, 40, 11, 7, 90, 123, 6, 2, 8, 64], [77]]
+MAX_TOKENS = 12
+
+
+def greedy(stub, model: str, prompt: list[int], max_tokens: int = MAX_TOKENS, timeout: float = 120) -> list[int]:
+    request = exec_pb2.GenerateRequest(model=model, prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+                                       ignore_eos=True)
+    return [t for response in stub.Generate(request, timeout=timeout) for t in response.token_ids]
+
+
+def greedy_all(stub, model: str) -> list[list[int]]:
+    """Every prompt at once, so that the steps batch prefills and decodes of several sequences."""
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda p: greedy(stub, model, p), PROMPTS))
+
+
+def rank_pids() -> set[int]:
+    """This process's children that are ranks (the session's exec server runs in this process)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == os.getpid() and b"exec_service.startup.rank_worker" in cmdline:
+            pids.add(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def tp2_loaded(exec_stub, tiny_loaded) -> exec_pb2.ModelSizing:
+    """The tiny Llama over two ranks, its bundle compiled for them; the sizing of its ready event."""
+    return load_model(exec_stub, "tiny-tp2", tensor_parallel_size=2)[-1].ready
+
+
+def test_two_ranks_greedy_equal_one_rank(exec_stub, tp2_loaded):
+    assert tp2_loaded.tensor_parallel_size == 2
+    assert tp2_loaded.key.digest  # compiled, not eager
+    assert greedy_all(exec_stub, "tiny-tp2") == greedy_all(exec_stub, "tiny")
+
+
+def test_kv_heads_that_do_not_divide_are_refused(exec_stub):
+    with pytest.raises(grpc.RpcError) as info:
+        load_model(exec_stub, "tiny-tp4", tensor_parallel_size=4)  # 2 KV heads
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "num_key_value_heads 2" in info.value.details() and "tensor_parallel_size" in info.value.details()
+
+
+def test_bundle_for_two_ranks_refused_on_one(exec_stub, tp2_loaded):
+    with pytest.raises(grpc.RpcError) as info:
+        load_model(exec_stub, "tiny-tp2-as-1", key=common_pb2.ArtifactKey(digest=tp2_loaded.key.digest))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "tensor_parallel_size 2" in info.value.details()
+
+
+def test_killed_rank_fails_the_model_and_a_reload_serves(exec_stub, tp2_loaded):
+    before = rank_pids()
+    load_model(exec_stub, "tiny-tp2-killed", tensor_parallel_size=2)
+    (pid,) = rank_pids() - before
+    expected = greedy(exec_stub, "tiny", PROMPTS[0], max_tokens=400)
+    first_token = threading.Event()
+    outcome: dict = {}
+
+    def stream() -> None:
+        request = exec_pb2.GenerateRequest(model="tiny-tp2-killed", prompt_ids=PROMPTS[0], max_tokens=400,
+                                           temperature=0.0, ignore_eos=True)
+        try:
+            for _ in exec_stub.Generate(request, timeout=60):
+                first_token.set()
+        except grpc.RpcError as exc:
+            outcome["code"], outcome["details"] = exc.code(), exc.details()
+        first_token.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_token.wait(60)
+    os.kill(pid, signal.SIGKILL)
+    reader.join(60)
+    assert not reader.is_alive()
+    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
+    assert "rank 1 of 2" in outcome["details"] and "-9" in outcome["details"]
+    with pytest.raises(grpc.RpcError) as info:  # a new request hears the same at once
+        greedy(exec_stub, "tiny-tp2-killed", PROMPTS[1], timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    (listed,) = [m for m in exec_stub.ListModels(exec_pb2.ListModelsRequest()).models if m.name == "tiny-tp2-killed"]
+    assert listed.state == exec_pb2.MODEL_STATE_FAILED and "rank 1 of 2" in listed.error
+
+    exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-tp2-killed"))
+    deadline = time.monotonic() + 30
+    while pid in rank_pids() and time.monotonic() < deadline:  # the killed rank is reaped, none is left behind
+        time.sleep(0.1)
+    assert pid not in rank_pids()
+    load_model(exec_stub, "tiny-tp2-killed", tensor_parallel_size=2)
+    assert greedy(exec_stub, "tiny-tp2-killed", PROMPTS[0], max_tokens=400) == expected
+    exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-tp2-killed"))
