@@ -85,6 +85,9 @@ def register(subparsers) -> None:
                         "(default: 8 ... 512, up to the step token budget)")
     p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
                    help="how forwards run (default: cudagraph on CUDA, compiled on CPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=0,
+                   help="ranks the model is split over, one process each (so far: llama on the CPU, dummy weights; "
+                        "docs/tensor-parallel.md; default: 1)")
     add_compile_config_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     security_args.add_client_args(p)
@@ -190,7 +193,8 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=args.capture_sizes, max_num_waiting=args.max_num_waiting,
         runtime_mode=runtime_mode_to_proto(args.runtime_mode), piecewise_capture_sizes=args.piecewise_capture_sizes,
-        kv_cache_dtype=args.kv_cache_dtype, kv_cache_scale=args.kv_cache_scale)
+        kv_cache_dtype=args.kv_cache_dtype, kv_cache_scale=args.kv_cache_scale,
+        tensor_parallel_size=args.tensor_parallel_size)
     if args.no_prefix_caching:
         request.enable_prefix_caching = False
     if args.key:
