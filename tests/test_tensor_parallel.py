@@ -1,6 +1,8 @@
-"""Tensor parallelism on the CPU through the real servers: the tiny Llama over two gloo ranks (two processes),
-token for token what one rank gives, and the refusals and failures around it (docs/tensor-parallel.md)."""
+"""Tensor parallelism on the CPU through the real servers: tiny Llama, Qwen2 and windowed Mistral models over two
+gloo ranks (two processes), token for token what one rank gives, and the refusals and failures around it
+(docs/tensor-parallel.md)."""
 
+import json
 import os
 import signal
 import threading
@@ -11,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kiln.model.presets import TINY
 from protos import common_pb2, exec_pb2
 from tests.conftest import load_model
 
@@ -28,6 +31,11 @@ def greedy_all(stub, model: str) -> list[list[int]]:
     """Every prompt at once, so that the steps batch prefills and decodes of several sequences."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         return list(pool.map(lambda p: greedy(stub, model, p), PROMPTS))
+
+
+def model_info(stub, name: str) -> exec_pb2.ModelInfo:
+    (info,) = [m for m in stub.ListModels(exec_pb2.ListModelsRequest()).models if m.name == name]
+    return info
 
 
 def rank_pids() -> set[int]:
@@ -59,11 +67,67 @@ def test_two_ranks_greedy_equal_one_rank(exec_stub, tp2_loaded):
     assert greedy_all(exec_stub, "tiny-tp2") == greedy_all(exec_stub, "tiny")
 
 
+def test_sixteen_streams_with_a_cancellation(exec_stub, tp2_loaded):
+    prompts = [[(11 * i + 7 * j) % 500 + 3 for j in range(3 + i)] for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        expected = list(pool.map(lambda p: greedy(exec_stub, "tiny", p, max_tokens=24), prompts))
+    cancelled = exec_stub.Generate(exec_pb2.GenerateRequest(model="tiny-tp2", prompt_ids=prompts[0], max_tokens=400,
+                                                            temperature=0.0, ignore_eos=True), timeout=60)
+    assert next(cancelled).token_ids
+    with ThreadPoolExecutor(15) as pool:
+        running = [pool.submit(greedy, exec_stub, "tiny-tp2", p, 24) for p in prompts[1:]]
+        cancelled.cancel()
+        assert [r.result() for r in running] == expected[1:]
+    deadline = time.monotonic() + 10  # the cancellation reaches the engine on its own
+    while (listed := model_info(exec_stub, "tiny-tp2")).num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert listed.state == exec_pb2.MODEL_STATE_READY and listed.num_running == 0
+    assert listed.num_free_blocks == tp2_loaded.num_kv_blocks  # the cancelled stream's blocks came back
+    assert greedy(exec_stub, "tiny-tp2", prompts[0]) == greedy(exec_stub, "tiny", prompts[0])
+
+
+# The other families with Llama's layer shapes: Qwen2's q/k/v have biases; Mistral's window of 8 tokens is shorter
+# than the prompts and outputs, so its blocks fall out of the window (a null block in every rank's cache).
+FAMILIES = {
+    "qwen2": dict(TINY, model_type="qwen2"),
+    "mistral": dict(TINY, model_type="mistral", sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_two_ranks_greedy_equal_one_rank_in_other_families(exec_stub, family):
+    model = common_pb2.ModelSpec(config_json=json.dumps(FAMILIES[family]))
+    load_model(exec_stub, f"{family}-tp1", model=model)
+    sizing = load_model(exec_stub, f"{family}-tp2", model=model, tensor_parallel_size=2)[-1].ready
+    assert sizing.tensor_parallel_size == 2 and sizing.kv_window == (8 if family == "mistral" else 0)
+    try:
+        assert greedy_all(exec_stub, f"{family}-tp2") == greedy_all(exec_stub, f"{family}-tp1")
+    finally:
+        for name in (f"{family}-tp1", f"{family}-tp2"):
+            exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
+
+
+def test_two_ranks_eager_equal_one_rank(exec_stub, tiny_loaded):
+    load_model(exec_stub, "tiny-tp2-eager", tensor_parallel_size=2, runtime_mode=exec_pb2.RUNTIME_MODE_EAGER)
+    try:
+        assert greedy_all(exec_stub, "tiny-tp2-eager") == greedy_all(exec_stub, "tiny")
+    finally:
+        exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-tp2-eager"))
+
+
 def test_kv_heads_that_do_not_divide_are_refused(exec_stub):
     with pytest.raises(grpc.RpcError) as info:
         load_model(exec_stub, "tiny-tp4", tensor_parallel_size=4)  # 2 KV heads
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "num_key_value_heads 2" in info.value.details() and "tensor_parallel_size" in info.value.details()
+
+
+def test_a_family_without_a_test_over_ranks_is_refused(exec_stub):
+    with pytest.raises(grpc.RpcError) as info:
+        load_model(exec_stub, "gemma-tp2", model=common_pb2.ModelSpec(config_json=json.dumps(
+            dict(TINY, model_type="gemma", head_dim=16))), tensor_parallel_size=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not 'gemma'" in info.value.details()
 
 
 def test_bundle_for_two_ranks_refused_on_one(exec_stub, tp2_loaded):
@@ -102,7 +166,7 @@ def test_killed_rank_fails_the_model_and_a_reload_serves(exec_stub, tp2_loaded):
     with pytest.raises(grpc.RpcError) as info:  # a new request hears the same at once
         greedy(exec_stub, "tiny-tp2-killed", PROMPTS[1], timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    (listed,) = [m for m in exec_stub.ListModels(exec_pb2.ListModelsRequest()).models if m.name == "tiny-tp2-killed"]
+    listed = model_info(exec_stub, "tiny-tp2-killed")
     assert listed.state == exec_pb2.MODEL_STATE_FAILED and "rank 1 of 2" in listed.error
 
     exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-tp2-killed"))

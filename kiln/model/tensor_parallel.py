@@ -25,7 +25,7 @@ from kiln.model.merged_projections import ProjectionSlice
 TP_ALL_REDUCE_OP_NAME = "kiln::tp_all_reduce"
 MAX_TENSOR_PARALLEL_SIZE = 8  # the GPUs of one host
 # Families whose sharded layers are tested equal to one rank (tests/test_tensor_parallel.py).
-TENSOR_PARALLEL_FAMILIES = ("llama",)
+TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True)
