@@ -353,6 +353,8 @@ def test_metrics_count_what_was_sent(client, gateway, replicas, tokenizer):
             ("kiln:time_to_first_token_seconds_count", {"model_name": MODEL}),
             ("kiln:e2e_request_latency_seconds_count", {"model_name": MODEL}),
             ("kiln:request_queue_time_seconds_count", {"model_name": MODEL}),
+            ("kiln:inter_token_latency_seconds_count", {"model_name": MODEL}),
+            ("kiln:inter_token_latency_seconds_sum", {"model_name": MODEL}),
         ]} | {"api": sample(scrape(gateway.metrics_port), "kiln:api_requests_total", endpoint="/v1/completions",
                              status="200"),
               "api_itl": sample(scrape(gateway.metrics_port), "kiln:api_inter_token_latency_seconds_count",
@@ -367,7 +369,10 @@ def test_metrics_count_what_was_sent(client, gateway, replicas, tokenizer):
     assert grew == {"kiln:requests_total": 4, "kiln:request_success_total": 4,
                     "kiln:prompt_tokens_total": 4 * prompt_tokens, "kiln:generation_tokens_total": 20,
                     "kiln:time_to_first_token_seconds_count": 4, "kiln:e2e_request_latency_seconds_count": 4,
-                    "kiln:request_queue_time_seconds_count": 4, "api": 4, "api_itl": grew["api_itl"]}
+                    "kiln:request_queue_time_seconds_count": 4, "kiln:inter_token_latency_seconds_count": 16,
+                    "kiln:inter_token_latency_seconds_sum": grew["kiln:inter_token_latency_seconds_sum"],
+                    "api": 4, "api_itl": grew["api_itl"]}
+    assert grew["kiln:inter_token_latency_seconds_sum"] > 0  # every gap of every request: 4 x (5 tokens - 1)
     assert 4 <= grew["api_itl"] <= 16  # 5 tokens in 2 to 5 messages each: 1 to 4 gaps
 
     samples = scrape(replicas[0].metrics.port)
