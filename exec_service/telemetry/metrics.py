@@ -4,8 +4,8 @@ for one read the other.
 Fed by the observers that already exist: every engine step (forward time by batch size and phase), every request
 as its span ends (status and finish reason, tokens, time to first token, time per output token, every gap between
 its tokens, end-to-end and queue time, preemptions), and, when Prometheus scrapes, the served models' engines
-(requests running and waiting, KV blocks used and free, prefix-cache queries and hits). Everything lives in the registry it is given: one
-per server.
+(requests running and waiting, KV blocks used and free, prefix-cache queries and hits). Everything lives in the
+registry it is given: one per server.
 """
 
 from collections.abc import Callable, Iterable
