@@ -325,7 +325,7 @@ def test_a_replica_added_behind_a_dns_name_gets_calls_once_connections_age(compi
     from exec_service.openai import exec_client
     from exec_service.server import ExecServerSettings
 
-    age_s = 0.2  # the long stream below takes about a second on a CPU
+    age_s = 0.1  # the long stream below takes about a second on a 2-core CPU host
     monkeypatch.setattr(exec_client, "DNS_REFRESH_MS", 100)  # the gateway's 10 s would only make the test slower
     port = free_port()
     dns = DnsServer({"replicas.kiln.test": ["127.0.0.1"]})
