@@ -15,7 +15,14 @@ from exec_service.telemetry.metrics import EngineLoad, ExecMetrics
 from kiln.model.hub import HubCache
 from kiln.model.roots import ModelRoots
 from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
-from kiln.rpc.grpc_server import DEFAULT_SHUTDOWN_GRACE_S, UNGUARDED, Server, ServerSecurity, is_loopback
+from kiln.rpc.grpc_server import (
+    DEFAULT_MAX_CONNECTION_AGE_S,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    UNGUARDED,
+    Server,
+    ServerSecurity,
+    is_loopback,
+)
 from kiln.step_record import StepObserver
 from kiln.store import bundle
 from kiln.store.location import open_store
@@ -49,14 +56,17 @@ class ExecServerSettings:
     model_roots: tuple[str | Path, ...] = ()  # the directories a request may name
     preload: tuple[exec_pb2.LoadModelRequest, ...] = ()  # loaded at start (--load), in the background
     hub: HubCache | None = None  # where Hub ids resolve (--hub-cache); None: they are refused
+    # Clients reconnect after this long (--max-connection-age-s), so they find replicas added behind a DNS name;
+    # None: never asked to.
+    max_connection_age_s: float | None = DEFAULT_MAX_CONNECTION_AGE_S
 
 
 class ExecServer(Server):
     """The gRPC server with the execute service's telemetry: stopping it also ends the telemetry (the forward-span
     writer exports the last steps, within its bound)."""
 
-    def __init__(self, telemetry: ExecTelemetry, security: ServerSecurity):
-        super().__init__([SERVICE_NAME], server_interceptors(), security)
+    def __init__(self, telemetry: ExecTelemetry, security: ServerSecurity, max_connection_age_s: float | None):
+        super().__init__([SERVICE_NAME], server_interceptors(), security, max_connection_age_s)
         self.telemetry = telemetry
 
     async def stop(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
@@ -89,7 +99,8 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     fetcher = BundleFetcher(store, shared=shared, compile_channel=channel,
                             trusted=settings.trusted)
     roots = ModelRoots.for_server(settings.model_roots, loopback=is_loopback(settings.address), hub=settings.hub)
-    server = ExecServer(ExecTelemetry(installed_telemetry(), step_observers, metrics), settings.security)
+    server = ExecServer(ExecTelemetry(installed_telemetry(), step_observers, metrics), settings.security,
+                        settings.max_connection_age_s)
     servicer = ExecServicer(server, fetcher, server.telemetry, roots)
     if metrics:
         metrics.watch(lambda: _engine_loads(servicer))

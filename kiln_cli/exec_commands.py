@@ -19,7 +19,7 @@ from kiln.client.failures import EXEC_SERVICE
 from kiln.client.generate import Generation
 from kiln.client.load import load, phase_line, ready_line
 from kiln.client.requests import model_spec
-from kiln.rpc.grpc_server import leave_unfinished_workers, serve_until_signal
+from kiln.rpc.grpc_server import DEFAULT_MAX_CONNECTION_AGE_S, leave_unfinished_workers, serve_until_signal
 from kiln.runtime_mode import RuntimeMode
 from kiln_cli import metrics_args, security_args
 from kiln_cli.arguments import EXEC_ADDRESS, add_server_address, int_list
@@ -44,6 +44,9 @@ def register(subparsers) -> None:
                    help="public keys (a PEM file of one or more, or a directory of *.pub) whose signed bundles "
                         "may be loaded")
     add_shutdown_grace_arg(p)
+    p.add_argument("--max-connection-age-s", type=_connection_age, default=DEFAULT_MAX_CONNECTION_AGE_S,
+                   help="seconds after which a client is asked to reconnect, so gateways resolving a DNS name find "
+                        "replicas added behind it; calls in flight are never cut; 0: never (default: %(default)s)")
     metrics_args.add_metrics_arg(p)
     security_args.add_server_args(p)
     security_args.add_client_args(p)  # towards the compile service
@@ -172,7 +175,8 @@ def run_exec_server(args) -> int:
     telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
     settings = ExecServerSettings(f"{args.host}:{args.port}", trusted, args.compile_server or None, args.store,
                                   args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args),
-                                  tuple(args.load), hub=security_args.hub_cache(args))
+                                  tuple(args.load), hub=security_args.hub_cache(args),
+                                  max_connection_age_s=args.max_connection_age_s or None)
     metrics = metrics_args.start_metrics(args, ExecMetrics)
     try:
         serve_until_signal(lambda: start_exec_server(settings, metrics=metrics.collector if metrics else None),
@@ -184,6 +188,13 @@ def run_exec_server(args) -> int:
     leave_unfinished_workers()
     return 0
 
+
+
+def _connection_age(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or 1 <= value <= 86400):
+        raise argparse.ArgumentTypeError(f"must be 0 (never) or in [1, 86400] seconds, got {text}")
+    return value
 
 def load_request(args) -> exec_pb2.LoadModelRequest:
     request = exec_pb2.LoadModelRequest(

@@ -42,6 +42,8 @@ def assert_usage_error(proc: subprocess.CompletedProcess, words: str) -> None:
     (("load", "tiny-llama", "--inductor-config", "[1]"), "argument --inductor-config: expected a JSON object"),
     (("models", "localhost:1", "--server", "localhost:2"), "the address is given twice"),
     (("health",), "an address is needed"),
+    (("exec-server", "--max-connection-age-s", "0.5"),
+     "argument --max-connection-age-s: must be 0 (never) or in [1, 86400] seconds, got 0.5"),
 ])
 def test_a_malformed_argument_is_one_line_and_exit_2(args, words):
     assert_usage_error(kiln(*args), words)

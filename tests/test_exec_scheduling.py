@@ -234,15 +234,15 @@ def test_a_mixed_step_splits_into_its_leading_decodes_and_the_rest():
 
 def test_stop_conditions():
     s = seq("s", 3, SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=frozenset({9})))
-    s.append_token(2)  # eos, not ignored
+    s.append_token(2, 0.0)  # eos, not ignored
     assert s.finish_reason == FinishReason.STOP
     s = seq("s", 3, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    s.append_token(2)
+    s.append_token(2, 0.0)
     assert not s.is_finished
-    s.append_token(2)
+    s.append_token(2, 0.0)
     assert s.finish_reason == FinishReason.LENGTH
     s = seq("s", 3, SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=frozenset({9})))
-    s.append_token(9)
+    s.append_token(9, 0.0)
     assert s.finish_reason == FinishReason.STOP and s.output_token_ids == [9]
 
 

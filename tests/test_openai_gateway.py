@@ -2,6 +2,7 @@
 (round-robin) with the session's compile service behind them, a tiny model with a trained tokenizer and a chat
 template, and the Prometheus metrics of every server read back with prometheus_client's parser."""
 
+import asyncio
 import json
 import subprocess
 import time
@@ -45,7 +46,8 @@ class Replica:
         self.registry = CollectorRegistry()
         self.server = BackgroundServer(lambda: start_exec_server(settings, metrics=ExecMetrics(self.registry)))
         self.metrics = serve_metrics(self.registry, "127.0.0.1", 0)
-        self.channel = grpc.insecure_channel(self.server.address, options=CHANNEL_OPTIONS)
+        self.address = f"{settings.address.rsplit(':', 1)[0]}:{self.server.port}"  # on its own host, 127.0.0.x
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = exec_pb2_grpc.ExecServiceStub(self.channel)
         if model_dir is not None:
             load_model(self.stub, MODEL, model=common_pb2.ModelSpec(hf_dir=str(model_dir)))
@@ -99,7 +101,7 @@ def replicas(compile_server, tiny_key, trusted_keys, tmp_path_factory, model_dir
 @pytest.fixture(scope="module")
 def gateway(replicas):
     """The gateway in this process, on a free port, balancing over both replicas."""
-    target = "ipv4:" + ",".join(r.server.address for r in replicas)
+    target = "ipv4:" + ",".join(r.address for r in replicas)
     registry = CollectorRegistry()
     server = ApiServer(ApiServerSettings("127.0.0.1", 0, target), GatewayMetrics(registry))
     port = server.start()
@@ -310,6 +312,66 @@ def test_two_replicas_behind_one_gateway_both_serve(client, replicas):
     assert sum(served) == 6 and all(n > 0 for n in served), served
 
 
+def test_a_replica_added_behind_a_dns_name_gets_calls_once_connections_age(compile_server, trusted_keys, model_dir,
+                                                                           tmp_path_factory, monkeypatch):
+    """The gateway's client on a DNS name (a headless Service's) that first has one replica's address: once the
+    replicas' max connection age passes, the client reconnects, resolves the name again and its new calls reach a
+    replica added to the name since, while a stream started before runs to its end across the age. The name is
+    served by a DNS server of the test's (tests/dns_server.py), named as the target's authority, so its records
+    change without touching the machine's resolver; the two replicas share a port on 127.0.0.1 and 127.0.0.2, as
+    pods behind a Service do."""
+    from dns_server import DnsServer
+
+    from exec_service.openai import exec_client
+    from exec_service.server import ExecServerSettings
+
+    age_s = 0.1  # the long stream below takes about a second on a 2-core CPU host
+    monkeypatch.setattr(exec_client, "DNS_REFRESH_MS", 100)  # the gateway's 10 s would only make the test slower
+    port = free_port()
+    dns = DnsServer({"replicas.kiln.test": ["127.0.0.1"]})
+    made = [Replica(ExecServerSettings(f"{host}:{port}", trusted_keys, compile_server.address,
+                                       cache_dir=tmp_path_factory.mktemp("dns-replica"), max_connection_age_s=age_s),
+                    model_dir) for host in ("127.0.0.1", "127.0.0.2")]
+
+    def served():
+        return [sample(scrape(r.metrics.port), "kiln:requests_total", model_name=MODEL, status="ok") for r in made]
+
+    async def run():
+        client = exec_client.ExecClient(f"dns://127.0.0.1:{dns.port}/replicas.kiln.test:{port}")
+        try:
+            # As long as the model allows: its max_model_len, ended by length.
+            long = exec_pb2.GenerateRequest(model=MODEL, prompt="the kiln", max_tokens=100_000, ignore_eos=True)
+            started, last = time.monotonic(), None
+            call = client.generate(long, None)
+            async for response in call:
+                last = response
+                if time.monotonic() - started > 1.5 * age_s and len(dns.records["replicas.kiln.test"]) == 1:
+                    dns.records["replicas.kiln.test"].append("127.0.0.2")  # a pod joins the Service
+            lasted = time.monotonic() - started
+            resolutions = sum(qtype == 1 for _, qtype in dns.queries)  # A queries while it ran
+            deadline = time.monotonic() + 20
+            while served()[1] == 0:
+                assert time.monotonic() < deadline, f"no call reached the added replica: {served()}"
+                short = exec_pb2.GenerateRequest(model=MODEL, prompt="hi", max_tokens=2)
+                [_ async for _ in client.generate(short, None)]
+                await asyncio.sleep(0.05)
+            return last, lasted, resolutions, await call.code()
+        finally:
+            await client.close()
+
+    try:
+        assert served() == [0, 0]
+        last, lasted, resolutions, code = asyncio.run(run())
+    finally:
+        for replica in made:
+            replica.close()
+        dns.close()
+    # Never cut by the age: the stream lasted past it and ran to its own end.
+    assert code == grpc.StatusCode.OK and last.finish_reason == exec_pb2.FINISH_REASON_LENGTH, code
+    assert lasted > 2 * age_s, f"the stream took {lasted:.2f} s: too short to cross the connection age"
+    assert resolutions >= 2, dns.queries  # the client reconnected and resolved the name again while it streamed
+
+
 def test_cached_tokens_are_the_prefix_cache_hits(client, replicas, tokenizer):
     """usage.prompt_tokens_details.cached_tokens is what the execute service found in its prefix cache, and the
     replicas' kiln:prefix_cache_hits_total grows by exactly that much."""
@@ -353,6 +415,8 @@ def test_metrics_count_what_was_sent(client, gateway, replicas, tokenizer):
             ("kiln:time_to_first_token_seconds_count", {"model_name": MODEL}),
             ("kiln:e2e_request_latency_seconds_count", {"model_name": MODEL}),
             ("kiln:request_queue_time_seconds_count", {"model_name": MODEL}),
+            ("kiln:inter_token_latency_seconds_count", {"model_name": MODEL}),
+            ("kiln:inter_token_latency_seconds_sum", {"model_name": MODEL}),
         ]} | {"api": sample(scrape(gateway.metrics_port), "kiln:api_requests_total", endpoint="/v1/completions",
                              status="200"),
               "api_itl": sample(scrape(gateway.metrics_port), "kiln:api_inter_token_latency_seconds_count",
@@ -367,7 +431,10 @@ def test_metrics_count_what_was_sent(client, gateway, replicas, tokenizer):
     assert grew == {"kiln:requests_total": 4, "kiln:request_success_total": 4,
                     "kiln:prompt_tokens_total": 4 * prompt_tokens, "kiln:generation_tokens_total": 20,
                     "kiln:time_to_first_token_seconds_count": 4, "kiln:e2e_request_latency_seconds_count": 4,
-                    "kiln:request_queue_time_seconds_count": 4, "api": 4, "api_itl": grew["api_itl"]}
+                    "kiln:request_queue_time_seconds_count": 4, "kiln:inter_token_latency_seconds_count": 16,
+                    "kiln:inter_token_latency_seconds_sum": grew["kiln:inter_token_latency_seconds_sum"],
+                    "api": 4, "api_itl": grew["api_itl"]}
+    assert grew["kiln:inter_token_latency_seconds_sum"] > 0  # every gap of every request: 4 x (5 tokens - 1)
     assert 4 <= grew["api_itl"] <= 16  # 5 tokens in 2 to 5 messages each: 1 to 4 gaps
 
     samples = scrape(replicas[0].metrics.port)
@@ -448,7 +515,7 @@ def test_token_passes_through_to_the_execute_service(guarded):
 def test_kiln_api_server_command_streams_to_curl(replicas, tmp_path):
     """The real command as a child process: /health, then ``curl -N`` on the SSE stream, then its /metrics."""
     port, metrics_port = free_port(), free_port()
-    target = "ipv4:" + ",".join(r.server.address for r in replicas)
+    target = "ipv4:" + ",".join(r.address for r in replicas)
     log = (tmp_path / "api-server.log").open("w")
     child = subprocess.Popen(kiln_command("api-server", "--port", str(port), "--exec-server", target,
                                           "--metrics-port", str(metrics_port)), stdout=log, stderr=subprocess.STDOUT)

@@ -296,10 +296,10 @@ def test_request_span_tells_its_watchers_and_records_preemptions(memory_tracer):
     with requests.track("tiny", seq) as span:
         assert watcher.calls == [("started", "r1", span.get_span_context())]
         seq.first_scheduled_s = time.perf_counter()
-        seq.append_token(9)
+        seq.append_token(9, time.perf_counter())
         seq.preemptions.append((time.time_ns(), 5))
-        seq.append_token(10)
-        seq.append_token(11)
+        seq.append_token(10, time.perf_counter())
+        seq.append_token(11, time.perf_counter())
     assert watcher.calls[1:] == [("ended", "r1")]
     (finished,) = exporter.get_finished_spans()
     assert finished.name == "text_completion tiny"

@@ -130,12 +130,13 @@ class Scheduler:
         since the step was scheduled had a speculative slot in it, and its token is dropped.
         """
         kept = []
+        now_s = time.perf_counter()
         for entry, token_id in zip(batch.sampling_entries, sampled, strict=True):
             seq = entry.seq
             seq.num_pending -= 1
             if seq.is_finished:
                 continue
-            seq.append_token(token_id)
+            seq.append_token(token_id, now_s)
             if seq.is_finished:
                 self.drop(seq)
             kept.append((entry, token_id))

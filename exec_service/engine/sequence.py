@@ -84,6 +84,9 @@ class Sequence:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_scheduled_s: float | None = None
     first_token_s: float | None = None
+    # Host clock when each output token was appended (its step's tokens read): the inter-token latency histogram's
+    # gaps, observed off the engine thread once the request ends.
+    token_times_s: list[float] = field(default_factory=list)
     finished_s: float | None = None
     noise_seed: int = 0  # keys the sampler's noise: the request's seed, or a random one the engine gives it
     index: int = 0  # which of its request's n sequences (they share the request id)
@@ -133,9 +136,11 @@ class Sequence:
         """The tokens that finish it when sampled: its stop tokens and, unless ignored, end-of-sequence."""
         return self.params.stop_token_ids if self.params.ignore_eos else self.params.stop_token_ids | self.eos_token_ids
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, now_s: float) -> None:
+        """``now_s``: the host clock (``time.perf_counter``) when the step's tokens were read, one reading per step."""
         if self.first_token_s is None:
-            self.first_token_s = time.perf_counter()
+            self.first_token_s = now_s
+        self.token_times_s.append(now_s)
         self.token_ids.append(token_id)
         if token_id in self.end_token_ids:
             self.finish(FinishReason.STOP)

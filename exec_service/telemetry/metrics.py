@@ -2,13 +2,14 @@
 for one read the other.
 
 Fed by the observers that already exist: every engine step (forward time by batch size and phase), every request
-as its span ends (status and finish reason, tokens, time to first token, time per output token, end-to-end and
-queue time, preemptions), and, when Prometheus scrapes, the served models' engines (requests running and
-waiting, KV blocks used and free, prefix-cache queries and hits). Everything lives in the registry it is given: one
-per server.
+as its span ends (status and finish reason, tokens, time to first token, time per output token, every gap between
+its tokens, end-to-end and queue time, preemptions), and, when Prometheus scrapes, the served models' engines
+(requests running and waiting, KV blocks used and free, prefix-cache queries and hits). Everything lives in the
+registry it is given: one per server.
 """
 
 from collections.abc import Callable, Iterable
+from itertools import pairwise
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -23,6 +24,10 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
+# Finer than vLLM's at the low end (a decode step is milliseconds); the gateway's kiln:api_inter_token_latency_seconds
+# has the same, so the two compare bucket by bucket.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               0.75, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 # A forward is a millisecond or less on a GPU at small batches, tens of milliseconds for a long prefill.
@@ -66,6 +71,9 @@ class ExecMetrics:
         self.tpot = Histogram("kiln:request_time_per_output_token_seconds",
                               "A request's mean seconds between its output tokens (first to last, over the gaps)",
                               [MODEL], buckets=TPOT_BUCKETS, registry=registry)
+        self.itl = Histogram("kiln:inter_token_latency_seconds",
+                             "Seconds between successive output tokens of a sequence, every gap of every request",
+                             [MODEL], buckets=ITL_BUCKETS, registry=registry)
         self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Seconds from arrival to the last token", [MODEL],
                              buckets=LATENCY_BUCKETS, registry=registry)
         self.queue = Histogram("kiln:request_queue_time_seconds", "Seconds from arrival to the first schedule",
@@ -95,6 +103,9 @@ class ExecMetrics:
             self.queue.labels(model).observe(usage.queue_s)
         if seq.first_token_s is not None:
             self.ttft.labels(model).observe(usage.time_to_first_token_s)
+        itl = self.itl.labels(model)
+        for earlier, later in pairwise(seq.token_times_s):  # here, not per step: the engine thread only appends
+            itl.observe(later - earlier)
         if seq.finish_reason is None:
             return
         self.request_success.labels(model, seq.finish_reason.value).inc()

@@ -32,6 +32,14 @@ DEFAULT_SHUTDOWN_GRACE_S = 25.0
 # After the grace, how long a service has to end what is left with a status of its own before gRPC cancels it.
 END_CALLS_S = 3.0
 
+# How long a client's connection to the execute service lives before the server asks it to reconnect
+# (--max-connection-age-s): a client then resolves its target again, so a replica added behind a DNS name (a
+# Kubernetes headless Service) starts receiving calls within this (gRPC adds up to 10% of jitter) plus the client's
+# minimum time between resolutions. The server only sends GOAWAY: calls in flight run to their end on the old
+# connection, however long (max_connection_age_grace_ms is left unlimited), new ones go on the new one.
+DEFAULT_MAX_CONNECTION_AGE_S = 300.0
+GRPC_INT_MAX = 2**31 - 1  # gRPC's "unlimited" for a millisecond option
+
 # What a client receives: bundles are tens of MB, but GetArtifact streams them in chunks of at most 4 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -210,17 +218,22 @@ class Health(health.aio.HealthServicer):
 class Server:
     """A grpc.aio server with the standard health service and server reflection, guarded as ``security`` says.
 
+    ``max_connection_age_s``, when set, has clients reconnect (and resolve their target again) after that long,
+    never cutting a call in flight.
     ``on_grace_ending``, when set, runs when a shutdown's grace ends with calls still in flight, so the service
     ends them with a status a client can act on rather than gRPC's bare cancellation END_CALLS_S later.
     """
 
     def __init__(self, service_names: Iterable[str], interceptors: Iterable = (),
-                 security: ServerSecurity = UNGUARDED):
+                 security: ServerSecurity = UNGUARDED, max_connection_age_s: float | None = None):
         self.security = security
         guards = [TokenAuth(security.tokens)] if security.tokens else []
         # Requests over the cap are RESOURCE_EXHAUSTED from gRPC itself, before any handler sees a byte.
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", security.max_request_bytes)]
+        if max_connection_age_s:  # see DEFAULT_MAX_CONNECTION_AGE_S; None or 0: connections live as long as used
+            options += [("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
+                        ("grpc.max_connection_age_grace_ms", GRPC_INT_MAX)]
         self.server = grpc.aio.server(options=options, interceptors=[*interceptors, *guards])
         self.health = Health()
         self.on_grace_ending: Callable[[float], Awaitable[None]] | None = None
