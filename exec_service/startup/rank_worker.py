@@ -69,7 +69,7 @@ def _serve(forward: ModelForward, config: EngineConfig, kv_spec: kv_cache.KVCach
     store = dist.TCPStore("127.0.0.1", spec["store_port"], config.tensor_parallel_size, False,
                           timeout=datetime.timedelta(seconds=spec["timeout_s"]))
     group = dist.ProcessGroupGloo(store, spec["rank"], config.tensor_parallel_size,
-                                  datetime.timedelta(seconds=spec["timeout_s"]))
+                                  datetime.timedelta(seconds=spec["step_timeout_s"]))
     blocks = step_broadcast.receive_num_blocks(group)
     caches = kv_cache.allocate(kv_spec, blocks, config.device)
     log.info("rank %d: %d KV blocks; serving", spec["rank"], blocks)

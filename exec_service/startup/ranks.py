@@ -27,6 +27,8 @@ from kiln.store.signing import TrustedKeys
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 600.0  # for every rank to build its shard and load the bundle
+# For the other ranks to meet a collective of a step: they run the same work, so only a stuck rank is this late.
+STEP_TIMEOUT_S = 60.0
 _ERRORS = {cls.code: cls for cls in (KilnError, *KilnError.__subclasses__())}
 
 
@@ -49,7 +51,8 @@ class StartingRanks:
             "model": resolved.name, "model_config": resolved.config.to_json_string(use_diff=False),
             "dtype": resolved.dtype_name, "weights_seed": weights_seed,
             "engine_config": engine_config_fields(engine_config), "store_port": store.port,
-            "timeout_s": JOIN_TIMEOUT_S, "bundle": str(fetched.path) if fetched else None,
+            "timeout_s": JOIN_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
+            "bundle": str(fetched.path) if fetched else None,
             "key": fetched.key if fetched else "", "compile_sizes": list(fetched.compile_sizes) if fetched else [],
             "trusted_keys": [key.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo).decode()
                              for key in trusted.keys.values()],
@@ -75,7 +78,7 @@ class StartingRanks:
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             for rank, process in enumerate(self.processes, start=1):
                 self._wait_ready(rank, process, deadline)
-            group = dist.ProcessGroupGloo(self.store, 0, self.size, datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+            group = dist.ProcessGroupGloo(self.store, 0, self.size, datetime.timedelta(seconds=STEP_TIMEOUT_S))
             step_broadcast.send_num_blocks(group, num_blocks)
         except BaseException:
             self.abandon()
