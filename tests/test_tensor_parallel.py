@@ -177,3 +177,27 @@ def test_killed_rank_fails_the_model_and_a_reload_serves(exec_stub, tp2_loaded):
     load_model(exec_stub, "tiny-tp2-killed", tensor_parallel_size=2)
     assert greedy(exec_stub, "tiny-tp2-killed", PROMPTS[0], max_tokens=400) == expected
     exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-tp2-killed"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory) -> Path:
+    """The tiny Llama saved by transformers, with other weights than the dummy ones."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-tp-checkpoint")
+    torch.manual_seed(11)
+    AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY.items()})).save_pretrained(path)
+    return path
+
+
+def test_two_ranks_read_a_checkpoint_shard_by_shard(exec_stub, checkpoint_dir, tp2_loaded):
+    load_model(exec_stub, "ckpt-tp1", weights=str(checkpoint_dir))
+    load_model(exec_stub, "ckpt-tp2", weights=str(checkpoint_dir), tensor_parallel_size=2)
+    try:
+        expected = greedy_all(exec_stub, "ckpt-tp1")
+        assert expected != greedy_all(exec_stub, "tiny")  # the checkpoint's weights, not the dummy ones
+        assert greedy_all(exec_stub, "ckpt-tp2") == expected
+    finally:
+        for name in ("ckpt-tp1", "ckpt-tp2"):
+            exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))

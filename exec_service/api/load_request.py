@@ -111,9 +111,6 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
     if tensor_parallel_size > 1 and kv_cache_dtype:
         raise InvalidArgument(f"kv_cache_dtype: {kv_cache_dtype!r} is not served over {tensor_parallel_size} ranks "
                               f"yet (tensor_parallel_size)")
-    if tensor_parallel_size > 1 and request.weights not in ("", "dummy"):
-        raise InvalidArgument(f"weights: over {tensor_parallel_size} ranks (tensor_parallel_size) only dummy "
-                              f"weights are served so far; a checkpoint is not loaded shard by shard yet")
     return EngineConfig(device=device, runtime_mode=mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,

@@ -187,8 +187,8 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
                               f"{fetched.key[:12]}'s compiled token range [1, {fetched.max_compiled_tokens}]")
     ranks = None
     if config.tensor_parallel_size > 1:  # they build and load their shards while this process does its own
-        ranks = StartingRanks.spawn(target.name, target.resolved, config, target.weights_seed, fetched,
-                                    fetcher.trusted)
+        ranks = StartingRanks.spawn(target.name, target.resolved, config, target.weights, target.weights_dir,
+                                    target.weights_seed, fetched, fetcher.trusted)
     try:
         return _start_on_device(phases, target, fetcher, step_observers, emit, config, fetched, ranks, started)
     except BaseException:

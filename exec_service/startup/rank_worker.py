@@ -48,7 +48,7 @@ def _load(spec: dict) -> tuple[ModelForward, EngineConfig, kv_cache.KVCacheSpec]
     resolved = ResolvedModel(spec["model"], AutoConfig.for_model(model_config.pop("model_type"), **model_config),
                              getattr(torch, spec["dtype"]), None)
     rank = TensorParallel(spec["rank"], config.tensor_parallel_size)
-    token_model = build_model(resolved, config.device, "dummy", spec["weights_seed"], tensor_parallel=rank)
+    token_model = build_model(resolved, config.device, spec["weights"], spec["weights_seed"], tensor_parallel=rank)
     forward = ModelForward(token_model)
     if spec["bundle"] is not None:
         trusted = TrustedKeys([load_pem_public_key(pem.encode()) for pem in spec["trusted_keys"]])

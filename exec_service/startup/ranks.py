@@ -21,6 +21,7 @@ from exec_service.engine.rank_group import RankGroup
 from exec_service.startup.fetch import FetchedBundle
 from exec_service.startup.rank_worker import engine_config_fields
 from kiln.errors import KilnError, Unavailable
+from kiln.model.roots import PinnedDir
 from kiln.model.spec import ResolvedModel
 from kiln.store.signing import TrustedKeys
 
@@ -42,14 +43,15 @@ class StartingRanks:
         self.processes = processes
 
     @classmethod
-    def spawn(cls, name: str, resolved: ResolvedModel, engine_config, weights_seed: int,
-              fetched: FetchedBundle | None, trusted: TrustedKeys) -> "StartingRanks":
+    def spawn(cls, name: str, resolved: ResolvedModel, engine_config, weights: str, weights_dir: PinnedDir | None,
+              weights_seed: int, fetched: FetchedBundle | None, trusted: TrustedKeys) -> "StartingRanks":
+        """``weights``: "dummy", or the view of ``weights_dir``, whose descriptors each rank inherits to read it."""
         size = engine_config.tensor_parallel_size
         timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
         spec = {
             "model": resolved.name, "model_config": resolved.config.to_json_string(use_diff=False),
-            "dtype": resolved.dtype_name, "weights_seed": weights_seed,
+            "dtype": resolved.dtype_name, "weights": weights, "weights_seed": weights_seed,
             "engine_config": engine_config_fields(engine_config), "store_port": store.port,
             "timeout_s": JOIN_TIMEOUT_S, "step_timeout_s": STEP_TIMEOUT_S,
             "bundle": str(fetched.path) if fetched else None,
@@ -61,7 +63,8 @@ class StartingRanks:
         try:
             for rank in range(1, size):
                 process = subprocess.Popen([sys.executable, "-m", "exec_service.startup.rank_worker"],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                           pass_fds=weights_dir.descriptors if weights_dir else ())
                 processes.append(process)
                 process.stdin.write(json.dumps({**spec, "rank": rank}))
                 process.stdin.close()

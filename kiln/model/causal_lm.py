@@ -21,7 +21,7 @@ from kiln.model.device_memory import available_bytes
 from kiln.model.layer_regions import DecoderLayers
 from kiln.model.merged_projections import merge_projections
 from kiln.model.spec import ResolvedModel
-from kiln.model.tensor_parallel import TensorParallel, shard_layers
+from kiln.model.tensor_parallel import TensorParallel, load_shard, shard_layers
 from kiln.quantization import fp8_checkpoint
 from kiln.quantization.checkpoint_formats import Fp8Checkpoint
 from kiln.quantization.fp8_linear import Fp8Linear
@@ -93,12 +93,13 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
     """The model with dummy weights (seeded) or the safetensors of a local HF directory, in eval mode; its decoder
     linears in FP8 when ``quantization`` is "fp8" or the model's config is an FP8 checkpoint's
     (kiln.quantization.model_quantization). With ``tensor_parallel`` over more than one rank, its decoder layers are
-    that rank's shards (kiln.model.tensor_parallel), cut from dummy weights the same seed gives every rank."""
+    that rank's shards (kiln.model.tensor_parallel): cut from dummy weights the same seed gives every rank, or read
+    from the checkpoint slice by slice."""
     fp8 = quantization_of(model.config, quantization)
     sharded = tensor_parallel is not None and tensor_parallel.size > 1
-    if sharded and (fp8 is not None or weights not in ("", "dummy")):
-        raise InvalidArgument("tensor_parallel_size: over one rank, models are served with dummy weights in their "
-                              "own dtype only so far (no checkpoint directory, no FP8)")
+    if sharded and fp8 is not None:
+        raise InvalidArgument("tensor_parallel_size: over one rank, models are served in their own dtype only so "
+                              "far (no FP8)")
     skeleton = _skeleton(model)
     _check_fits(skeleton, model, device, fp8)
     if weights in ("", "dummy"):
@@ -111,6 +112,8 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
             causal_lm = _load_fp8_checkpoint(directory, skeleton, fp8.checkpoint, device, seed)
         else:
             checkpoint.check(directory, skeleton)
+            if sharded:
+                return _load_sharded(directory, skeleton, device, seed, tensor_parallel)
             causal_lm = _load_pretrained(directory, model, device, _fp8_layer(fp8))
     causal_lm.config._attn_implementation = ATTENTION_IMPLEMENTATION
     return TokenModel(causal_lm.eval(), tensor_parallel).eval()
@@ -218,6 +221,24 @@ def _load_fp8_checkpoint(directory: Path, skeleton: PreTrainedModel, fmt: Fp8Che
             if not name.startswith(inside) and name in reader.files:
                 tensor.copy_(reader.read(name))
     return causal_lm
+
+
+def _load_sharded(directory: Path, skeleton: PreTrainedModel, device: str, seed: int,
+                  tensor_parallel: TensorParallel) -> TokenModel:
+    """This rank's shard of a checkpoint: the model merged and sharded on the meta device, its storage allocated at
+    the shard's size, the decoder layers' tensors read as this rank's slices and the rest whole."""
+    skeleton.config._attn_implementation = ATTENTION_IMPLEMENTATION
+    token_model = TokenModel(skeleton.eval(), tensor_parallel)  # no bytes yet: every tensor is on the meta device
+    causal_lm = skeleton.to_empty(device=device)
+    torch.manual_seed(seed)
+    causal_lm.init_weights()  # the rotary tables and the ties; every weight is read over below
+    reader = fp8_checkpoint.CheckpointReader(directory)
+    read = load_shard(_decoder_layers(causal_lm), reader.files, tensor_parallel)
+    with torch.no_grad():
+        for name, tensor in causal_lm.state_dict(keep_vars=True).items():
+            if name in reader.files and name not in read:
+                tensor.copy_(reader.read(name))
+    return token_model.eval()
 
 
 def _check_fits(skeleton: PreTrainedModel, model: ResolvedModel, device: str, fp8: Fp8Quantization | None) -> None:

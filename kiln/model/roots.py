@@ -148,6 +148,11 @@ class PinnedDir:
     def names(self) -> list[str]:
         return sorted(self._files)
 
+    @property
+    def descriptors(self) -> tuple[int, ...]:
+        """What a child process must inherit, at the same numbers, for ``view`` to reach the files there."""
+        return tuple(self._fds)
+
     def read(self, name: str, max_bytes: int) -> bytes | None:
         """The pinned file's bytes (None when the directory had no such file), at most ``max_bytes`` + 1 of them:
         a caller that gets more refuses the file as too large."""

@@ -15,12 +15,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from kiln.errors import InvalidArgument
-from kiln.model.merged_projections import ProjectionSlice
+from kiln.model.merged_projections import GROUPS, ProjectionSlice
 
 TP_ALL_REDUCE_OP_NAME = "kiln::tp_all_reduce"
 MAX_TENSOR_PARALLEL_SIZE = 8  # the GPUs of one host
@@ -73,7 +75,7 @@ class RowParallelLinear(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = weight.shape  # in_features: this rank's columns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.kiln.tp_all_reduce(F.linear(x, self.weight))
@@ -135,3 +137,41 @@ def _row_parallel(linear: torch.nn.Linear, tp: TensorParallel) -> RowParallelLin
     width = linear.in_features // tp.size
     weight = linear.weight.detach()[:, tp.rank * width:(tp.rank + 1) * width].contiguous()
     return RowParallelLinear(weight, None if linear.bias is None else linear.bias.detach())
+
+
+def load_shard(layers: dict[str, torch.nn.Module], files: dict[str, Path], tp: TensorParallel) -> set[str]:
+    """Each sharded decoder layer's tensors from a checkpoint (``files``: tensor name -> its safetensors file), this
+    rank's rows and columns only, read as slices; returns the names read, so the caller reads the others whole."""
+    read: set[str] = set()
+
+    def part(name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        read.add(name)
+        with safe_open(files[name], framework="pt") as f:
+            stored = f.get_slice(name)
+            if rows is not None:
+                return stored[rows[0]:rows[1]]
+            return stored[:, cols[0]:cols[1]] if cols is not None else stored[:]
+
+    with torch.no_grad():
+        for prefix, layer in layers.items():
+            for parent_name, names in GROUPS:
+                parent = getattr(layer, parent_name)
+                first = getattr(parent, names[0])
+                for kind in ("weight", "bias"):
+                    merged = getattr(first, kind)
+                    if merged is None:
+                        continue
+                    pieces = []
+                    for name in names:
+                        width = getattr(parent, name).out_features
+                        pieces.append(part(f"{prefix}.{parent_name}.{name}.{kind}",
+                                           rows=(tp.rank * width, (tp.rank + 1) * width)))
+                    merged.copy_(torch.cat(pieces))
+            for parent_name, name in (("self_attn", "o_proj"), ("mlp", "down_proj")):
+                row_parallel = getattr(getattr(layer, parent_name), name)
+                width = row_parallel.in_features
+                row_parallel.weight.copy_(part(f"{prefix}.{parent_name}.{name}.weight",
+                                               cols=(tp.rank * width, (tp.rank + 1) * width)))
+                if row_parallel.bias is not None:
+                    row_parallel.bias.copy_(part(f"{prefix}.{parent_name}.{name}.bias"))
+    return read
