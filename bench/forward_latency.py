@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from exec_service.engine import kv_cache
-from exec_service.engine.cuda_graphs import CUDAGraphs
+from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
+from exec_service.engine.kv import kv_cache
 from exec_service.engine.step_inputs import StepBuffers
 from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.compilation.counters import expect_no_compile

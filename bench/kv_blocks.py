@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from exec_service.engine import kv_cache
-from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine
-from exec_service.engine.kv_cache import KVCacheSpec
+from exec_service.engine.kv import kv_cache
+from exec_service.engine.kv.block_manager import BlockManager
+from exec_service.engine.kv.kv_cache import KVCacheSpec
 from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.scheduler import Scheduler

@@ -24,7 +24,7 @@ from forward_latency import (
     load_for_decode,
 )
 
-from exec_service.engine.cuda_graphs import CUDAGraphs
+from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
 from exec_service.engine.step_inputs import StepBuffers
 from kiln.compilation.counters import expect_no_compile
 from kiln.model.causal_lm import weights_bytes

@@ -22,10 +22,10 @@ import torch
 from forward_latency import BLOCK_SIZE, time_ms
 from layer_kernels import profile_step
 
-from exec_service.engine import kv_cache
 from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES
+from exec_service.engine.graphs.piecewise_graphs import PiecewiseGraphs
+from exec_service.engine.kv import kv_cache
 from exec_service.engine.model_forward import ModelForward
-from exec_service.engine.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.step_inputs import StepBuffers
 from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.compilation.counters import expect_no_compile

@@ -16,7 +16,7 @@ from conftest import TINY_MODEL, load_model
 
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine
-from exec_service.engine.kv_cache import KVCacheSpec
+from exec_service.engine.kv.kv_cache import KVCacheSpec
 from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.model_runner import ModelRunner
 from exec_service.engine.sequence import SamplingParams, Sequence

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from exec_service.engine.block_manager import BlockManager
+from exec_service.engine.kv.block_manager import BlockManager
 from exec_service.engine.sampler import SamplingTensors, sample, unit_interval
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus

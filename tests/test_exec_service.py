@@ -421,7 +421,7 @@ def test_piecewise_capture_sizes_within_the_step_budget():
 
 
 def test_graphs_that_leave_no_kv_block_name_the_fields_to_lower():
-    from exec_service.engine.kv_cache import KVCacheSpec
+    from exec_service.engine.kv.kv_cache import KVCacheSpec
     from exec_service.startup import kv_sizing
     from kiln.errors import ResourceExhausted
 

@@ -197,7 +197,7 @@ def test_an_unsupported_scheme_is_refused_naming_the_field(fp8_stub, tmp_path, e
 def test_fp8_kv_cache_doubles_the_blocks_and_serves(fp8_stub):
     """bfloat16 model: the FP8 cache holds twice the blocks in the same bytes; served tokens are the best of the
     model with its keys and values rounded to float8 (the reference attention over an FP8 cache, eagerly)."""
-    from exec_service.engine.kv_cache import KVCacheSpec, allocate, allocate_scales
+    from exec_service.engine.kv.kv_cache import KVCacheSpec, allocate, allocate_scales
     from kiln.attention import reference
 
     model = common_pb2.ModelSpec(preset="tiny-llama", dtype="bfloat16")

@@ -76,8 +76,8 @@ class WireGuard:
 
 sys.meta_path.insert(0, WireGuard())
 import exec_service.engine as engine
-for module in pkgutil.iter_modules(engine.__path__):
-    importlib.import_module("exec_service.engine." + module.name)
+for module in pkgutil.walk_packages(engine.__path__, "exec_service.engine."):
+    importlib.import_module(module.name)
 """
 
 

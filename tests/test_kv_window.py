@@ -21,7 +21,7 @@ from test_engine import StreamCase, run_stream
 from test_exec_service import generate, hf_greedy, model_info, prompt_of, wait_until
 from test_model_families import FAMILY_CONFIGS, TINY, _expected_layers, reference_model
 
-from exec_service.engine.block_manager import BlockManager
+from exec_service.engine.kv.block_manager import BlockManager
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler
 from exec_service.engine.sequence import SamplingParams, Sequence
 from kiln.attention.windows import kv_window, layer_windows
@@ -139,7 +139,7 @@ def test_a_window_no_sequence_outgrows_frees_nothing():
     import json
 
     from exec_service.engine.engine_config import EngineConfig
-    from exec_service.engine.kv_cache import KVCacheSpec
+    from exec_service.engine.kv.kv_cache import KVCacheSpec
     from exec_service.startup import kv_sizing
     from exec_service.startup.weights import load_weights
     from kiln.model.spec import resolve

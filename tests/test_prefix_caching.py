@@ -15,9 +15,9 @@ from conftest import load_model
 from test_engine import CONFIG, outcome, tiny_runner
 from test_kv_window import load_windowed, window_dirs  # noqa: F401  (a fixture)
 
-from exec_service.engine.block_hash import block_hash, extend_chain, model_root
-from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_loop import Engine
+from exec_service.engine.kv.block_hash import block_hash, extend_chain, model_root
+from exec_service.engine.kv.block_manager import BlockManager
 from exec_service.engine.scheduler import Scheduler
 from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.engine.step_inputs import StepBuffers

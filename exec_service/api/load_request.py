@@ -5,7 +5,7 @@ import re
 
 from exec_service.api.runtime_modes import runtime_mode_from_proto
 from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES, EngineConfig
-from exec_service.engine.kv_cache import KV_CACHE_DTYPES
+from exec_service.engine.kv.kv_cache import KV_CACHE_DTYPES
 from exec_service.startup.load_model import LoadTarget
 from kiln.compilation.config import MIN_COMPILED_TOKENS, CompileConfig
 from kiln.errors import InvalidArgument, NotFound, quote

@@ -19,8 +19,8 @@ import random
 import threading
 from dataclasses import dataclass
 
-from exec_service.engine.block_manager import BlockManager
 from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.kv.block_manager import BlockManager
 from exec_service.engine.model_runner import LaunchedStep, ModelRunner
 from exec_service.engine.request_stream import RequestOutput, RequestStream, deliver
 from exec_service.engine.scheduler import ScheduledBatch, Scheduler

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.forward_timer import ForwardTimer
+from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
+from exec_service.engine.graphs.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.model_forward import ModelForward
-from exec_service.engine.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.sampler import SampledLogprobs, logprobs, sample
 from exec_service.engine.sampling_options import sampling_options
 from exec_service.engine.scheduler import ScheduledBatch

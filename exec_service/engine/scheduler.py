@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from exec_service.engine.block_manager import BlockManager
+from exec_service.engine.kv.block_manager import BlockManager
 from exec_service.engine.sequence import Sequence, SequenceStatus
 
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
+from exec_service.engine.graphs.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.model_forward import ModelForward
-from exec_service.engine.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.step_inputs import StepBuffers
 from kiln.compilation.counters import expect_no_compile
 from kiln.errors import ResourceExhausted, first_line

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from exec_service.engine import kv_cache
 from exec_service.engine.engine_config import EngineConfig
-from exec_service.engine.kv_cache import KVCacheSpec
+from exec_service.engine.kv import kv_cache
+from exec_service.engine.kv.kv_cache import KVCacheSpec
 from exec_service.engine.model_runner import KVCache
 from kiln.errors import ResourceExhausted
 from kiln.model.device_memory import available_bytes

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 from opentelemetry import trace
 
-from exec_service.engine import block_hash, kv_cache
-from exec_service.engine.cuda_graphs import CUDAGraphs
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine, StepObserver
+from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
+from exec_service.engine.graphs.piecewise_graphs import PiecewiseGraphs
+from exec_service.engine.kv import block_hash, kv_cache
 from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.model_runner import KVCache, ModelRunner
-from exec_service.engine.piecewise_graphs import PiecewiseGraphs
+from exec_service.engine.parallel.tensor_parallel_forward import TensorParallelForward
 from exec_service.engine.step_inputs import StepBuffers
-from exec_service.engine.tensor_parallel_forward import TensorParallelForward
 from exec_service.startup import kv_sizing
 from exec_service.startup.compiled_function import load_compiled, warm_up_compiled, warm_up_paged_attention
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle, StepFn

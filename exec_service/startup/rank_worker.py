@@ -18,9 +18,10 @@ import torch.distributed as dist
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from transformers import AutoConfig
 
-from exec_service.engine import kv_cache, step_broadcast
 from exec_service.engine.engine_config import EngineConfig
+from exec_service.engine.kv import kv_cache
 from exec_service.engine.model_forward import ModelForward
+from exec_service.engine.parallel import step_broadcast
 from exec_service.startup.compiled_function import load_compiled, warm_up_compiled
 from kiln.errors import Internal, KilnError, first_line
 from kiln.model.causal_lm import build_model

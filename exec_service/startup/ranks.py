@@ -16,8 +16,8 @@ import time
 import torch.distributed as dist
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from exec_service.engine import step_broadcast
-from exec_service.engine.rank_group import RankGroup
+from exec_service.engine.parallel import step_broadcast
+from exec_service.engine.parallel.rank_group import RankGroup
 from exec_service.startup.fetch import FetchedBundle
 from exec_service.startup.rank_worker import engine_config_fields
 from kiln.errors import KilnError, Unavailable

@@ -12,7 +12,7 @@ import time
 
 import torch.distributed as dist
 
-from exec_service.engine import step_broadcast
+from exec_service.engine.parallel import step_broadcast
 from kiln.errors import first_line
 
 log = logging.getLogger(__name__)

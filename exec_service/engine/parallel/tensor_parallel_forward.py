@@ -7,10 +7,10 @@ end with UNAVAILABLE and it must be loaded again.
 
 import torch
 
-from exec_service.engine import step_broadcast
 from exec_service.engine.engine_loop import ModelLost
 from exec_service.engine.model_forward import ModelForward
-from exec_service.engine.rank_group import RankGroup
+from exec_service.engine.parallel import step_broadcast
+from exec_service.engine.parallel.rank_group import RankGroup
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.model.tensor_parallel import tensor_parallel_group
 

@@ -1,5 +1,5 @@
 """Paged KV blocks: which cache blocks each sequence holds, handed out and taken back as sequences grow and end; and
-the prefix cache, full blocks known by their content (exec_service.engine.block_hash) that later prompts reuse.
+the prefix cache, full blocks known by their content (exec_service.engine.kv.block_hash) that later prompts reuse.
 
 Prefix caching (vLLM's automatic prefix caching). Once every token of a block is computed (scheduled: the step that
 writes it runs on the device before any later step that reads it), the block is registered under its hash. A block
@@ -19,7 +19,7 @@ keeps its length, so a token's slot is still ``table[position // block_size]``.
 
 from collections import OrderedDict, deque
 
-from exec_service.engine.block_hash import extend_chain
+from exec_service.engine.kv.block_hash import extend_chain
 from exec_service.engine.sequence import Sequence
 
 
