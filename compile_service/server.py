@@ -10,6 +10,7 @@ from pathlib import Path
 
 from compile_service.metrics import CompileMetrics
 from compile_service.pipeline import CompileOutcome, compile_model, look_up
+from kiln.compilation.code_hash import kiln_code_hash
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument, KilnError, NotFound
 from kiln.model.hub import HubCache
@@ -174,6 +175,7 @@ async def start_compile_server(settings: CompileServerSettings, metrics: Compile
                                ) -> tuple[Server, int]:
     """Build, bind and start; returns the server and its port. Spans follow what init_tracing installed in this
     process (nothing when it did not run); ``metrics`` (--metrics-port) count each compile."""
+    await asyncio.to_thread(kiln_code_hash)  # every key needs it: parsed once here, never in a request's thread
     signer = settings.signer
     trusted = (settings.trusted or TrustedKeys([])).with_key(signer.public_key)
     bundles = open_store(settings.store, settings.cache_dir, lease_s=settings.lease_s, signer=signer, trusted=trusted)

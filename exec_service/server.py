@@ -12,6 +12,7 @@ from exec_service.api.servicer import SERVICE_NAME, ExecServicer
 from exec_service.startup.fetch import COMPILE_CHANNEL_OPTIONS, BundleFetcher
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
 from exec_service.telemetry.metrics import EngineLoad, ExecMetrics
+from kiln.compilation.code_hash import kiln_code_hash
 from kiln.model.hub import HubCache
 from kiln.model.roots import ModelRoots
 from kiln.rpc.client_security import PLAINTEXT, ClientSecurity
@@ -83,6 +84,7 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     (--metrics-port) hear every step and request and read the engines' load when scraped.
     """
     started = time.perf_counter()
+    await asyncio.to_thread(kiln_code_hash)  # every bundle key needs it: parsed once here, not in a LoadModel
     await asyncio.to_thread(bundle.preload_runtime)
     log.info("loaded the compiled-code runtime (Dynamo's loader, Inductor, Triton) in %.2f s",
              time.perf_counter() - started)

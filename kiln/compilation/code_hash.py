@@ -9,6 +9,7 @@ The sources are read as files, never imported, so the execute service computes t
 import ast
 import functools
 import hashlib
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding the kiln and compile_service packages
@@ -39,14 +40,22 @@ NOT_CODE_MODULES = {
 }
 
 
+# One parse at a time: CPython 3.11's ast.parse keeps its recursion depth per interpreter, not per thread, so two
+# threads parsing at once fail with "SystemError: AST constructor recursion depth mismatch" (concurrent Compile and
+# LoadModel calls computing their first key did). The servers also compute the hash before they serve.
+_PARSING = threading.Lock()
+
+
 def kiln_code_hash(root: Path = ROOT) -> str:
     """sha256 over (module name, syntax tree) of every module in ``code_modules(root)``."""
-    return _hash(str(root))
+    with _PARSING:
+        return _hash(str(root))
 
 
 def code_modules(root: Path = ROOT) -> list[str]:
     """The Kiln modules the compile pipeline reaches, minus those that cannot change the generated code."""
-    return _modules(str(root))
+    with _PARSING:
+        return _modules(str(root))
 
 
 @functools.lru_cache(maxsize=8)
