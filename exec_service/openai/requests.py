@@ -13,15 +13,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from exec_service.openai.errors import invalid
+from kiln.rpc.field_bounds import MAX_N, MAX_TOP_LOGPROBS
 from protos import exec_pb2
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions body
-MAX_N = 64  # sequences per prompt
 MAX_CHOICES = 256  # prompts x n
 MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024
-MAX_TOP_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
 INT64 = 2**63
 

@@ -149,13 +149,18 @@ def _number(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _sent(value: float) -> str:
-    """A value as the client wrote it: a float32 field's shortest decimal (``0.8``, ``11.0``), not its widening."""
-    if not isinstance(value, float) or not math.isfinite(value):
-        return str(value)
+def as_sent(value: float) -> float:
+    """A proto float as the client wrote it: a float32 field's shortest decimal (0.8, not the 0.800000011920929 that
+    float32 widens to), a double's shortest repr; so messages, sampling, spans and logs see the number sent."""
+    if not math.isfinite(value):
+        return value
     for digits in range(1, 18):
         shortest = float(f"{value:.{digits}g}")
         if shortest == value or (abs(shortest) <= _FLOAT32_MAX
                                  and struct.unpack("f", struct.pack("f", shortest))[0] == value):
-            return repr(shortest)
-    return repr(value)
+            return shortest
+    return value
+
+
+def _sent(value: float) -> str:
+    return repr(as_sent(value)) if isinstance(value, float) else str(value)
