@@ -138,6 +138,9 @@ async def with_local_services(args, tmp: Path) -> dict:
         services.start(300)
         results = await run(services.exec.address, args)
         services.stop()
+    except BaseException:
+        print(services.log_tails())
+        raise
     finally:
         services.cleanup()
     return results

@@ -335,9 +335,7 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
                                 gateway_pid)
         services.stop()
     except BaseException:
-        for log_file in ("compile.log", "exec.log"):  # the services' own account of a failure, before tmp goes
-            if (tmp / log_file).is_file():
-                print(f"--- the end of {log_file}:\n" + "\n".join((tmp / log_file).read_text().splitlines()[-30:]))
+        print(services.log_tails())
         raise
     finally:
         services.cleanup()

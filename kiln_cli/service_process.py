@@ -159,6 +159,12 @@ class LocalServices:
             service.stop()
             on_stopped(service)
 
+    def log_tails(self, lines: int = 250) -> str:
+        """The end of each started service's log: its own account of a failure (a faulthandler stack of every
+        thread is ~200 lines), for a caller to print before the workdir holding the logs goes."""
+        return "\n".join(f"--- the end of {service.log_path.name}:\n{service.log_tail(lines)}"
+                         for service in self.started)
+
     def cleanup(self) -> None:
         """After a failure: stop what still runs, gracefully where it lets us."""
         for service in reversed(self.started):

@@ -7,6 +7,8 @@ started from the compile's worker thread) and with them off (TORCHINDUCTOR_COMPI
 one and not the other says where to look.
 
     KILN_CRASH_COMPILES=N  cold compiles per run (default 4)
+    KILN_CRASH_PRESET=P    compile preset P (e.g. llama-3-8b, where the crash was seen) with a new
+                           max_compiled_tokens each time, instead of a small Llama with a new MLP width
 """
 
 import json
@@ -25,14 +27,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILES = int(os.environ.get("KILN_CRASH_COMPILES", "4"))
+PRESET = os.environ.get("KILN_CRASH_PRESET", "")
 FATAL = ("Fatal Python error", "Segmentation fault", "core dumped", "Aborted")
 
 
-def small_llama(i: int) -> str:
-    """A config whose MLP width differs by ``i``: new kernels, so every compile is cold in Inductor and Triton."""
-    return json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512 + 64 * i,
-                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
-                       "max_position_embeddings": 1024})
+def compile_request(i: int) -> compile_pb2.CompileRequest:
+    """A request with a new key each time: a small Llama whose MLP width differs by ``i`` (new kernels, so every
+    compile is cold in Inductor and Triton), or PRESET with a new compiled token range."""
+    if PRESET:
+        return compile_pb2.CompileRequest(
+            model=common_pb2.ModelSpec(preset=PRESET, dtype="bfloat16"),
+            config=common_pb2.CompileConfig(device="cuda", max_compiled_tokens=512 + 128 * i))
+    config = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512 + 64 * i, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 1024}
+    return compile_pb2.CompileRequest(
+        model=common_pb2.ModelSpec(config_json=json.dumps(config), dtype="bfloat16"),
+        config=common_pb2.CompileConfig(device="cuda", compile_sizes=[1, 8], max_compiled_tokens=256))
 
 
 @pytest.mark.parametrize("workers", ["pool", "none"])
@@ -62,11 +72,8 @@ def test_cold_compiles_in_a_loop_never_crash_the_compile_service(tmp_path, traci
         with grpc.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
             stub = compile_pb2_grpc.CompileServiceStub(channel)
             for i in range(COMPILES):
-                request = compile_pb2.CompileRequest(
-                    model=common_pb2.ModelSpec(config_json=small_llama(i), dtype="bfloat16"),
-                    config=common_pb2.CompileConfig(device="cuda", compile_sizes=[1, 8], max_num_batched_tokens=256))
                 try:
-                    events = list(stub.Compile(request, timeout=600))
+                    events = list(stub.Compile(compile_request(i), timeout=600))
                     outcomes.append("compiled" if not events[-1].result.cache_hit else "hit")
                 except grpc.RpcError as exc:
                     outcomes.append(f"{exc.code().name}: {exc.details()}")
