@@ -113,6 +113,8 @@ class ModelRunner:
         inputs, parity = self.buffers.prepare(
             batch, padded if path == StepPath.FULL_GRAPH else None, previous.sampled if previous else None,
             previous.rows if previous else None, padded_tokens=padded if path == StepPath.PIECEWISE_GRAPH else None)
+        self.forward.begin_step(inputs.input_ids, inputs.positions, inputs.metadata, path,
+                                padded or inputs.num_tokens)
         timer = ForwardTimer(self.device, previous.timer if previous else None,
                              device_idle=previous is None or previous.done())
         with timer:

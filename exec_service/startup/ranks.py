@@ -2,7 +2,8 @@
 build and load their shards while rank 0 (this process) does its own, joined into one gloo group at the end.
 
 Each rank gets its spec on stdin (what to build, the bundle and the keys to verify it with, the store's port) and
-answers one line on stdout: ready, or the error that stopped it, which fails the load with the rank's status.
+answers one line on stdout: ready, or the error that stopped it, which fails the load with the rank's status. On
+CUDA, rank r runs on cuda:r (this process, rank 0, on cuda:0).
 """
 
 import datetime
@@ -16,9 +17,9 @@ import time
 import torch.distributed as dist
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from exec_service.engine.parallel import step_broadcast
 from exec_service.engine.parallel.rank_group import RankGroup
 from exec_service.startup.fetch import FetchedBundle
+from exec_service.startup.process_groups import join_groups
 from exec_service.startup.rank_worker import engine_config_fields
 from kiln.errors import KilnError, Unavailable
 from kiln.model.roots import PinnedDir
@@ -41,6 +42,7 @@ class StartingRanks:
         self.size = size
         self.store = store
         self.processes = processes
+        self.group: RankGroup | None = None  # once joined
 
     @classmethod
     def spawn(cls, name: str, resolved: ResolvedModel, engine_config, weights: str, weights_dir: PinnedDir | None,
@@ -74,19 +76,20 @@ class StartingRanks:
         log.info("%s: started ranks 1..%d (pids %s)", name, size - 1, ", ".join(str(p.pid) for p in processes))
         return cls(name, size, store, processes)
 
-    def join(self, num_blocks: int) -> RankGroup:
-        """Wait until every rank is ready, form the group and tell the ranks the KV cache's blocks. Any failure ends
-        the ranks and raises the one that stopped them."""
+    def join(self, device: str) -> RankGroup:
+        """Wait until every rank is ready and form the groups. Any failure ends the ranks and raises the one that
+        stopped them; after it, ``RankGroup.close`` ends them."""
         try:
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             for rank, process in enumerate(self.processes, start=1):
                 self._wait_ready(rank, process, deadline)
-            group = dist.ProcessGroupGloo(self.store, 0, self.size, datetime.timedelta(seconds=STEP_TIMEOUT_S))
-            step_broadcast.send_num_blocks(group, num_blocks)
+            control, collective = join_groups(self.store, 0, self.size, device,
+                                              datetime.timedelta(seconds=STEP_TIMEOUT_S))
         except BaseException:
             self.abandon()
             raise
-        return RankGroup(self.name, group, self.processes)
+        self.group = RankGroup(self.name, control, collective, self.processes)
+        return self.group
 
     def _wait_ready(self, rank: int, process: subprocess.Popen, deadline: float) -> None:
         ready, _, _ = select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))
@@ -103,6 +106,9 @@ class StartingRanks:
 
     def abandon(self) -> None:
         """The load failed: end every rank."""
+        if self.group is not None:
+            self.group.abandon()
+            return
         for process in self.processes:
             process.kill()
             process.wait()
