@@ -12,10 +12,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from kiln.model.presets import TINY
 from protos import common_pb2, exec_pb2
-from tests.conftest import load_model
+from tests.conftest import TINY_MODEL, load_model
 
 PROMPTS = [[1, 5, 9, 200, 17], [3, 3, 40, 11, 7, 90, 123, 6, 2, 8, 64], [77]]
 MAX_TOKENS = 12
@@ -120,6 +121,19 @@ def test_kv_heads_that_do_not_divide_are_refused(exec_stub):
         load_model(exec_stub, "tiny-tp4", tensor_parallel_size=4)  # 2 KV heads
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "num_key_value_heads 2" in info.value.details() and "tensor_parallel_size" in info.value.details()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host has the GPUs for two ranks")
+def test_cuda_ranks_beyond_the_hosts_gpus_are_refused(exec_stub):
+    """One GPU per rank: on a host with fewer (none here, where config.device 'cuda' is refused on its own too)."""
+    request = exec_pb2.LoadModelRequest(name="tiny-tp2-cuda", model=TINY_MODEL, tensor_parallel_size=2,
+                                        config=common_pb2.CompileConfig(device="cuda", max_compiled_tokens=128))
+    with pytest.raises(grpc.RpcError) as info:
+        list(exec_stub.LoadModel(request))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = info.value.details()
+    assert "tensor_parallel_size: 2 ranks need 2 GPUs" in details, details
+    assert f"this host has {torch.cuda.device_count()}" in details, details
 
 
 def test_a_family_without_a_test_over_ranks_is_refused(exec_stub):

@@ -34,6 +34,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTarget:
     """Validated, with every client-named directory (model, weights) checked against ``roots``."""
+    if (request.tensor_parallel_size or 1) > 1 and request.config.device == "cuda":
+        _check_gpus(request.tensor_parallel_size)  # before config.device's own check, which says less of this
     compile_config = tensor_parallel_config(request, CompileConfig.from_proto(request.config))
     resolved = resolve(request.model, compile_config.device, roots)
     check_shardable(resolved.config, compile_config.tensor_parallel_size)
@@ -58,11 +60,8 @@ def tensor_parallel_config(request: exec_pb2.LoadModelRequest, compile_config: C
                               f"tensor_parallel_size {size}; set only tensor_parallel_size")
     if size == 1:
         return compile_config
-    if compile_config.device == "cuda":
+    if compile_config.device == "cuda":  # the default device, when config.device names none
         _check_gpus(size)
-    elif compile_config.device != "cpu":
-        raise InvalidArgument(f"tensor_parallel_size: {size} ranks run on cpu (gloo) or cuda (NCCL), not on "
-                              f"{compile_config.device}")
     if compile_config.quantization:
         raise InvalidArgument(f"tensor_parallel_size: {size} ranks do not serve quantization "
                               f"{compile_config.quantization!r} yet")
