@@ -34,7 +34,7 @@ from exec_service.startup.memory_profile import profile_memory
 from exec_service.startup.ranks import StartingRanks
 from exec_service.startup.weights import LoadedWeights, load_weights
 from kiln.compilation.config import CompileConfig
-from kiln.errors import InvalidArgument, KilnError, quote, resource_error
+from kiln.errors import InvalidArgument, KilnError, Unavailable, quote, resource_error
 from kiln.model.roots import PinnedDir
 from kiln.model.spec import ResolvedModel
 from kiln.runtime_mode import RuntimeMode
@@ -191,9 +191,16 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
                                     target.weights_seed, fetched, fetcher.trusted)
     try:
         return _start_on_device(phases, target, fetcher, step_observers, emit, config, fetched, ranks, started)
-    except BaseException:
-        if ranks is not None:
-            ranks.abandon()
+    except BaseException as exc:
+        if ranks is None:
+            raise
+        # A rank that died after the join fails rank 0's next collective (a capture, the KV agreement) with the
+        # group's error; its exit says more.
+        joined_then_failed = ranks.group is not None and isinstance(exc, Exception) and not isinstance(exc, KilnError)
+        gone = ranks.group.exited() if joined_then_failed else None
+        ranks.abandon()
+        if gone is not None:
+            raise Unavailable(f"model: {gone} while loading; its log says why") from exc
         raise
 
 

@@ -61,14 +61,18 @@ class RankGroup:
 
     def failed(self, exc: Exception) -> None:
         """A collective failed: the model is lost, for the rank that exited when one did."""
+        self.lose(self.exited() or f"a step failed across the ranks: {first_line(exc)}")
+
+    def exited(self) -> str | None:
+        """Which rank is gone and its status, waiting up to EXIT_WAIT_S for a dying one; None when all run."""
         deadline = time.monotonic() + EXIT_WAIT_S
         for rank, process in enumerate(self.processes, start=1):
             try:
                 code = process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 continue
-            self.lose(f"rank {rank} of {self.size} (pid {process.pid}) exited with status {code}")
-        self.lose(f"a step failed across the ranks: {first_line(exc)}")
+            return f"rank {rank} of {self.size} (pid {process.pid}) exited with status {code}"
+        return None
 
     def abandon(self) -> None:
         """The load failed after the join: end every rank now (one may be inside a collective, deaf to stop)."""
