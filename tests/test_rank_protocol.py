@@ -12,6 +12,7 @@ from exec_service.engine.kv.kv_cache import KVCacheSpec
 from exec_service.engine.parallel import step_broadcast
 from exec_service.startup import kv_sizing
 from exec_service.startup.process_groups import join_groups
+from exec_service.startup.ranks import rank_gpus, visible_gpus
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.errors import ResourceExhausted
 from kiln.step_record import StepPath
@@ -101,3 +102,14 @@ def test_every_path_crosses(path):
         return step_broadcast.receive_step(control, collective, "cpu").path
 
     assert on_two_ranks(work)[1] == path
+
+
+def test_each_rank_sees_its_gpu_first_and_the_others_after(monkeypatch):
+    """Its GPU is its cuda:0 (the device the bundle's code names); the others stay visible for NCCL's P2P."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,GPU-6c1f,7")
+    visible = visible_gpus()
+    assert visible == ["4", "5", "GPU-6c1f", "7"]
+    assert [rank_gpus(r, visible) for r in range(4)] == ["4,5,GPU-6c1f,7", "5,4,GPU-6c1f,7", "GPU-6c1f,4,5,7",
+                                                          "7,4,5,GPU-6c1f"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus() == [str(i) for i in range(torch.cuda.device_count())]

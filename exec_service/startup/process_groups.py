@@ -2,17 +2,17 @@
 
 The control group is gloo on every device: the step broadcast's header, the KV cache's agreed size and stop are host
 values. The collective group runs the sharded layers' all-reduce: on the CPU it is the control group itself; on
-CUDA it is NCCL, one rank per GPU (rank r on cuda:r, set before anything touched CUDA).
+CUDA it is NCCL, one rank per GPU (each rank's own GPU is its cuda:0: exec_service.startup.ranks).
 
 CUDA graphs capture the NCCL all-reduce through c10d's ProcessGroupNCCL itself, not a communicator of Kiln's own.
 vLLM wraps NCCL with ctypes (pynccl) because, when it was written, ``torch.distributed.all_reduce`` called CUDA APIs
 that a capture forbids (its watchdog queried the captured work's events); since pytorch/pytorch#103503 (2023)
 ProcessGroupNCCL leaves captured work out of its watchdog, and PyTorch's own test_c10d_nccl.py
 (``test_allreduce_in_cudagraph``) captures ``pg.allreduce(xs).wait()`` inside ``torch.cuda.graph`` and replays it.
-What that test needs, this does: the device set on each rank, and one all-reduce run eagerly before any capture,
-which creates the NCCL communicator (made lazily at the first collective, which must not be inside a capture).
-NCCL's own settings are the
-environment's (tests and benches set NCCL_NVLS_ENABLE=0 on shared hosts); Kiln sets none.
+What that test needs, this does: each rank's GPU its current device, and one all-reduce run eagerly before any
+capture, which creates the NCCL communicator (made lazily at the first collective, which must not be inside a
+capture). NCCL's own settings are the environment's (tests and benches set NCCL_NVLS_ENABLE=0 on shared hosts);
+Kiln sets none.
 """
 
 import datetime

@@ -1,11 +1,11 @@
 """One rank > 0 of a tensor-parallel model: ``python -m exec_service.startup.rank_worker``, started by rank 0.
 
-It reads its spec (a JSON object) from stdin, builds its shard of the model (on cuda:rank on CUDA), profiles its own
-memory, loads the bundle (verifying its signature itself), and writes one JSON line to stdout: ready, or the
-KilnError that stopped it. Then it joins the model's process groups, agrees with the others on the KV cache's blocks
-(the fewest any rank holds), captures the same CUDA graphs as rank 0 in lockstep when the model has them
-(graph_capture.capture_graphs), and runs each step rank 0 broadcasts, by rank 0's path, until it is told to stop, or
-until rank 0 is gone (its connection closes and the broadcast fails).
+It reads its spec (a JSON object) from stdin, builds its shard of the model (on CUDA on its own GPU, which it sees
+as cuda:0: exec_service.startup.ranks), profiles its own memory, loads the bundle (verifying its signature itself),
+and writes one JSON line to stdout: ready, or the KilnError that stopped it. Then it joins the model's process
+groups, agrees with the others on the KV cache's blocks (the fewest any rank holds), captures the same CUDA graphs as
+rank 0 in lockstep when the model has them (graph_capture.capture_graphs), and runs each step rank 0 broadcasts, by
+rank 0's path, until it is told to stop, or until rank 0 is gone (its connection closes and the broadcast fails).
 """
 
 import dataclasses
@@ -74,8 +74,6 @@ class _Shard:
 def _load(spec: dict) -> _Shard:
     config = engine_config(spec["engine_config"])
     rank = spec["rank"]
-    if config.device == "cuda":
-        torch.cuda.set_device(rank)  # before anything touches CUDA: every "cuda" below is cuda:rank
     model_config = json.loads(spec["model_config"])
     resolved = ResolvedModel(spec["model"], AutoConfig.for_model(model_config.pop("model_type"), **model_config),
                              getattr(torch, spec["dtype"]), None)
@@ -173,6 +171,8 @@ def _serve(shard: _Shard, spec: dict) -> None:
         log.info("rank %d: %d KV blocks; serving", shard.rank, serving.kv.caches[0].shape[1])
         while (step := step_broadcast.receive_step(control, collective, config.device)) is not None:
             serving.run(step)
+    if collective is not control:
+        collective.abort()  # told to stop: let go of the NCCL communicator now, not in the interpreter's teardown
 
 
 def main() -> None:

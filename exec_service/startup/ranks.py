@@ -2,18 +2,25 @@
 build and load their shards while rank 0 (this process) does its own, joined into one gloo group at the end.
 
 Each rank gets its spec on stdin (what to build, the bundle and the keys to verify it with, the store's port) and
-answers one line on stdout: ready, or the error that stopped it, which fails the load with the rank's status. On
-CUDA, rank r runs on cuda:r (this process, rank 0, on cuda:0).
+answers one line on stdout: ready, or the error that stopped it, which fails the load with the rank's status.
+
+On CUDA rank r runs on the host's r-th visible GPU (this process, rank 0, on the first), which its process sees as
+cuda:0: its CUDA_VISIBLE_DEVICES names that GPU first and every other after it. The compiled code of the bundle
+names device 0 (Inductor writes the compile's device index into its kernels' launches and allocations), so each rank
+must see its own GPU as device 0; the others stay visible because NCCL's peer-to-peer transports between processes
+need the peer GPU visible (hidden, NCCL falls back to copies through host memory).
 """
 
 import datetime
 import json
 import logging
+import os
 import select
 import subprocess
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
@@ -32,6 +39,19 @@ JOIN_TIMEOUT_S = 600.0  # for every rank to build its shard and load the bundle
 # For the other ranks to meet a collective of a step: they run the same work, so only a stuck rank is this late.
 STEP_TIMEOUT_S = 60.0
 _ERRORS = {cls.code: cls for cls in (KilnError, *KilnError.__subclasses__())}
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, in its order, as CUDA_VISIBLE_DEVICES names them (indices or UUIDs)."""
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if named is not None:
+        return [gpu.strip() for gpu in named.split(",") if gpu.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def rank_gpus(rank: int, visible: list[str]) -> str:
+    """CUDA_VISIBLE_DEVICES for ``rank``: its GPU first (its cuda:0), then every other in order."""
+    return ",".join([visible[rank], *visible[:rank], *visible[rank + 1:]])
 
 
 class StartingRanks:
@@ -62,10 +82,12 @@ class StartingRanks:
                              for key in trusted.keys.values()],
         }
         processes = []
+        visible = visible_gpus() if engine_config.device == "cuda" else []
         try:
             for rank in range(1, size):
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": rank_gpus(rank, visible)} if visible else None
                 process = subprocess.Popen([sys.executable, "-m", "exec_service.startup.rank_worker"],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                            pass_fds=weights_dir.descriptors if weights_dir else ())
                 processes.append(process)
                 process.stdin.write(json.dumps({**spec, "rank": rank}))
