@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,8 +172,6 @@ def _serve(shard: _Shard, spec: dict) -> None:
         log.info("rank %d: %d KV blocks; serving", shard.rank, serving.kv.caches[0].shape[1])
         while (step := step_broadcast.receive_step(control, collective, config.device)) is not None:
             serving.run(step)
-    if collective is not control:
-        collective.abort()  # told to stop: let go of the NCCL communicator now, not in the interpreter's teardown
 
 
 def main() -> None:
@@ -190,6 +189,11 @@ def main() -> None:
         sys.exit(1)
     _report({"ready": True})
     _serve(shard, spec)
+    # Told to stop. On CUDA the interpreter's teardown would destroy the NCCL communicator while CUDA graphs that
+    # captured its calls may still exist, and NCCL waits for those graphs before it lets go (the teardown hangs:
+    # pytorch/pytorch#115388); nothing is left to flush but the log, so the process ends here.
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":

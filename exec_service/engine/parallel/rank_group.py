@@ -4,6 +4,10 @@ A rank that exits on its own makes the model lost: rank 0's next collective fail
 connection), and the reason names the rank and its exit status. On CUDA the NCCL group is aborted as well: an NCCL
 kernel waiting for a dead peer (in a step already queued, or a CUDA graph, which no watchdog times out) waits
 forever otherwise; aborted, it returns and the step's sync with it.
+
+The abort runs on a thread of its own, as vLLM's does (vllm-project/vllm#39846): NCCL lets go of a communicator only
+once every CUDA graph that captured its calls is destroyed, and the model's graphs go with its runner, later; the
+abort's first act, which ends the kernels in flight, does not wait for that.
 """
 
 import datetime
@@ -57,7 +61,7 @@ class RankGroup:
         with self._abort_lock:
             if self.collective is not self.control and not self._aborted:
                 self._aborted = True
-                self.collective.abort()
+                threading.Thread(target=self.collective.abort, name=f"nccl-abort-{self.name}", daemon=True).start()
 
     def failed(self, exc: Exception) -> None:
         """A collective failed: the model is lost, for the rank that exited when one did."""
@@ -99,4 +103,4 @@ class RankGroup:
                 log.warning("%s: rank pid %d did not stop; killing it", self.name, process.pid)
                 process.kill()
                 process.wait()
-        self._abort_collective()  # the peers are gone: let go of the NCCL communicator now, not at collection
+        self._abort_collective()  # the peers are gone: the NCCL communicator goes once the graphs do
