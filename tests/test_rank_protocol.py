@@ -1,5 +1,6 @@
 """What the ranks of a tensor-parallel model say to each other, over two real gloo ranks in one process (a thread
-each): the KV cache's agreed size and a step's inputs, path and padded size (docs/tensor-parallel.md)."""
+each): the KV cache's agreed size, a step's inputs, path and padded size, and a full-graph step landing where the
+other rank's graphs read it; and which GPU each rank sees first (docs/tensor-parallel.md)."""
 
 import datetime
 from concurrent.futures import ThreadPoolExecutor
@@ -10,8 +11,10 @@ import torch.distributed as dist
 
 from exec_service.engine.kv.kv_cache import KVCacheSpec
 from exec_service.engine.parallel import step_broadcast
+from exec_service.engine.step_inputs import HostStep, StepBuffers, pad_seqs
 from exec_service.startup import kv_sizing
 from exec_service.startup.process_groups import join_groups
+from exec_service.startup.rank_worker import RankServing
 from exec_service.startup.ranks import rank_gpus, visible_gpus
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.errors import ResourceExhausted
@@ -113,3 +116,34 @@ def test_each_rank_sees_its_gpu_first_and_the_others_after(monkeypatch):
                                                           "7,4,5,GPU-6c1f"]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert visible_gpus() == [str(i) for i in range(torch.cuda.device_count())]
+
+
+def test_a_full_graph_step_fills_the_other_ranks_graph_buffers_as_rank_0s():
+    """A decode of 2 sequences padded to a graph of 4: what rank 1's graph reads is what rank 0's reads."""
+    def buffers() -> StepBuffers:
+        return StepBuffers(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, block_size=4, vocab_size=32, device="cpu")
+
+    sender, receiver = buffers(), buffers()
+    receiver.block_tables.fill_(7)  # what earlier steps left there
+    receiver.input_ids.fill_(9)
+    step = HostStep(ids=[5, 6], positions=[9, 3], slots=[9, 7], query_start_loc=[0, 1, 2], seq_lens=[10, 4],
+                    tables=[1, 2, 3, 4, 0, 0], width=3, sample_rows=[0, 1], temperature=[0.0, 0.0], top_k=[32, 32],
+                    top_p=[1.0, 1.0], seeds=[0, 0], sample_positions=[10, 4], num_seqs=2, num_tokens=2,
+                    max_query_len=1, num_decodes=2)
+    pad_seqs(step, 4)
+    inputs, _ = sender.upload(step)
+
+    def work(r, control, collective):
+        if r == 0:
+            return step_broadcast.send_step(control, collective, inputs.input_ids, inputs.positions, inputs.metadata,
+                                            StepPath.FULL_GRAPH, 4)
+        received = step_broadcast.receive_step(control, collective, "cpu")
+        RankServing(forward=None, kv=None, buffers=receiver).into_graph_buffers(received)
+        return received.padded_size
+
+    assert on_two_ranks(work)[1] == 4
+    assert receiver.input_ids[:4].tolist() == sender.input_ids[:4].tolist() == [5, 6, 0, 0]
+    assert receiver.positions[:4].tolist() == sender.positions[:4].tolist()
+    ours, theirs = sender.graph_metadata(4), receiver.graph_metadata(4)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        assert getattr(theirs, name).tolist() == getattr(ours, name).tolist(), name

@@ -103,7 +103,7 @@ def _report(message: dict) -> None:
 
 
 @dataclass
-class _Serving:
+class RankServing:
     """A rank's side of each step: its KV cache and, with CUDA graphs, its own graphs and the buffers they read."""
 
     forward: ModelForward
@@ -116,7 +116,7 @@ class _Serving:
         """The step by rank 0's path, at its size: the same graph, or the same forward, as rank 0 runs."""
         caches, metadata = self.kv.caches, step.metadata
         if step.path == StepPath.FULL_GRAPH:
-            self._into_graph_buffers(step)
+            self.into_graph_buffers(step)
             self.full.replay(step.padded_size)
         elif step.path == StepPath.PIECEWISE_GRAPH:
             with forward_context(ForwardContext(caches, metadata, self.kv.scales)), \
@@ -125,7 +125,7 @@ class _Serving:
         else:
             self.forward(step.input_ids, step.positions, caches, metadata, self.kv.scales)
 
-    def _into_graph_buffers(self, step: step_broadcast.StepInputs) -> None:
+    def into_graph_buffers(self, step: step_broadcast.StepInputs) -> None:
         """Rank 0's padded decode inputs where this rank's full graphs read them (StepBuffers.graph_metadata)."""
         b, m, n = self.buffers, step.metadata, step.input_ids.shape[0]
         b.input_ids[:n].copy_(step.input_ids)
@@ -137,7 +137,7 @@ class _Serving:
         b.block_tables[:rows, :cols].copy_(m.block_tables)
 
 
-def _start_serving(shard: _Shard, control: dist.ProcessGroup) -> _Serving:
+def _start_serving(shard: _Shard, control: dist.ProcessGroup) -> RankServing:
     """The KV cache the ranks agree on, and the graphs around it, captured as rank 0 captures its own."""
     config = shard.config
 
@@ -146,7 +146,7 @@ def _start_serving(shard: _Shard, control: dist.ProcessGroup) -> _Serving:
 
     if config.runtime_mode != RuntimeMode.CUDAGRAPH:
         kv = kv_sizing.allocate_budgeted(shard.budget, shard.kv_spec, config, shard.loaded.kv_window, agree)
-        return _Serving(shard.forward, kv)
+        return RankServing(shard.forward, kv)
 
     def size_kv(graph_bytes: int) -> KVCache:
         budget = kv_sizing.memory_budget(config, shard.loaded.weights_bytes, shard.activation_peak, graph_bytes)
@@ -156,7 +156,7 @@ def _start_serving(shard: _Shard, control: dist.ProcessGroup) -> _Serving:
     scratch_scales = kv_cache.allocate_scales(shard.kv_spec, config.kv_cache_scale, config.device)
     graphs = capture_graphs(shard.forward, config, shard.resolved, buffers, (shard.scratch_kv, scratch_scales),
                             size_kv)
-    return _Serving(shard.forward, graphs.kv, buffers, graphs.full, graphs.piecewise)
+    return RankServing(shard.forward, graphs.kv, buffers, graphs.full, graphs.piecewise)
 
 
 @torch.no_grad()
