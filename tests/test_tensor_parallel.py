@@ -215,3 +215,22 @@ def test_two_ranks_read_a_checkpoint_shard_by_shard(exec_stub, checkpoint_dir, t
     finally:
         for name in ("ckpt-tp1", "ckpt-tp2"):
             exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
+
+
+def test_the_70b_preset_fits_an_h200_as_one_of_two_shards(monkeypatch):
+    """The memory check before anything is allocated counts a rank's shard: Llama-3.1-70B's bfloat16 weights
+    (131.4 GiB) are refused on the 100 GiB an H200 has left beside a KV cache, one of two shards goes on to be built
+    (its dummy weights are cut layer by layer, so no rank holds the whole model)."""
+    from kiln.errors import ResourceExhausted
+    from kiln.model import causal_lm
+    from kiln.model.spec import resolve
+
+    resolved = resolve(common_pb2.ModelSpec(preset="llama-3.1-70b", dtype="bfloat16"), "cpu")
+    skeleton = causal_lm._skeleton(resolved)
+    monkeypatch.setattr(causal_lm, "available_bytes", lambda device: 100 << 30)
+    with pytest.raises(ResourceExhausted, match="take 131.4 GiB, the cuda has 100.0 GiB free"):
+        causal_lm._check_fits(skeleton, resolved, "cuda", None)
+    causal_lm._check_fits(skeleton, resolved, "cuda", None, ranks=2)
+    with pytest.raises(ResourceExhausted, match="one of 2 shards"):
+        monkeypatch.setattr(causal_lm, "available_bytes", lambda device: 60 << 30)
+        causal_lm._check_fits(skeleton, resolved, "cuda", None, ranks=2)
