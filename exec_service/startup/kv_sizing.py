@@ -3,7 +3,8 @@
 On CUDA the budget is DESIGN.md's formula: ``total × gpu_memory_utilization − weights − activation peak −
 CUDA graphs``, capped by ``kv_cache_bytes``, where the graphs' bytes were measured as they were captured
 (exec_service.startup.graph_capture). On CPU there is nothing to measure against: the budget is
-``kv_cache_bytes``, refused when the host has less memory free.
+``kv_cache_bytes``, refused when the host has less memory free. Over the ranks of a tensor-parallel model each rank
+sizes its own budget, once the ranks have joined, and the cache gets the fewest blocks any rank's holds (``agree``).
 """
 
 import logging

@@ -226,15 +226,15 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
         with phases.phase(spans.PROFILE_MEMORY) as (event, span):
             with phases.step(spans.PROFILE_FORWARD):
                 activation_peak = profile_memory(loaded.token_model, config)
-            kv = budget = None
-            if not cudagraph:  # with CUDA graphs, the cache is sized once they are captured and measured
+            kv = None
+            # With CUDA graphs, the cache is sized once they are captured and measured; over ranks, once the ranks
+            # have joined (their NCCL buffers taken) and can agree.
+            if not cudagraph and ranks is None:
                 with phases.step(spans.KV_CACHE):
                     budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak)
-                    if ranks is None:  # over ranks, once they have joined and agreed
-                        kv = kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window)
-                if kv is not None:
-                    event.detail = _blocks_detail(kv, config)
-                    span.set_attributes({spans.NUM_KV_BLOCKS: kv.num_blocks, spans.KV_CACHE_BYTES: kv.bytes})
+                    kv = kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window)
+                event.detail = _blocks_detail(kv, config)
+                span.set_attributes({spans.NUM_KV_BLOCKS: kv.num_blocks, spans.KV_CACHE_BYTES: kv.bytes})
             span.set_attribute(spans.ACTIVATION_PEAK_BYTES, activation_peak)
 
         buffers = StepBuffers.for_config(config, target.resolved.config.vocab_size)
@@ -258,7 +258,8 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
             if ranks is not None:
                 with phases.step(spans.JOIN_RANKS):
                     forward = TensorParallelForward(forward, ranks.join(config.device))
-                    if budget is not None:  # every rank sized its own budget: the cache gets the fewest blocks
+                    if not cudagraph:  # every rank sizes its own budget: the cache gets the fewest blocks
+                        budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak)
                         kv = kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window,
                                                          forward.agree_num_blocks)
                 event.detail += f"; {ranks.size} ranks"

@@ -67,7 +67,6 @@ class _Shard:
     loaded: LoadedWeights
     forward: ModelForward
     kv_spec: kv_cache.KVCacheSpec
-    budget: kv_sizing.MemoryBudget | None  # without CUDA graphs, sized where rank 0 sizes its own
     activation_peak: int
     scratch_kv: list[torch.Tensor]
 
@@ -82,9 +81,6 @@ def _load(spec: dict) -> _Shard:
     # The order is rank 0's (load_model): the profile on the eager model, before the compiled function is loaded.
     # On the CPU it measures nothing (the budget is kv_cache_bytes), so it is not run.
     activation_peak = profile_memory(loaded.token_model, config) if config.device == "cuda" else 0
-    budget = None
-    if config.runtime_mode != RuntimeMode.CUDAGRAPH:
-        budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak)
     kv_spec = kv_cache.KVCacheSpec.from_config(resolved.config, config.block_size, resolved.dtype,
                                                config.tensor_parallel_size)
     scratch_kv = kv_cache.allocate(kv_spec, -(-3 // config.block_size), config.device)
@@ -94,7 +90,7 @@ def _load(spec: dict) -> _Shard:
         forward = ModelForward(loaded.token_model, load_compiled(Path(spec["bundle"]), spec["key"], trusted))
         warm_up_compiled(forward, config, tuple(spec["compile_sizes"]))
         warm_up_paged_attention(forward, scratch_kv, config.block_size, config.device)
-    return _Shard(rank, config, resolved, loaded, forward, kv_spec, budget, activation_peak, scratch_kv)
+    return _Shard(rank, config, resolved, loaded, forward, kv_spec, activation_peak, scratch_kv)
 
 
 def _report(message: dict) -> None:
@@ -144,13 +140,12 @@ def _start_serving(shard: _Shard, control: dist.ProcessGroup) -> RankServing:
     def agree(blocks: int) -> int:
         return step_broadcast.agree_num_blocks(control, blocks)
 
-    if config.runtime_mode != RuntimeMode.CUDAGRAPH:
-        kv = kv_sizing.allocate_budgeted(shard.budget, shard.kv_spec, config, shard.loaded.kv_window, agree)
-        return RankServing(shard.forward, kv)
-
     def size_kv(graph_bytes: int) -> KVCache:
         budget = kv_sizing.memory_budget(config, shard.loaded.weights_bytes, shard.activation_peak, graph_bytes)
         return kv_sizing.allocate_budgeted(budget, shard.kv_spec, config, shard.loaded.kv_window, agree)
+
+    if config.runtime_mode != RuntimeMode.CUDAGRAPH:  # as rank 0, once the groups exist
+        return RankServing(shard.forward, size_kv(0))
 
     buffers = StepBuffers.for_config(config, shard.resolved.config.vocab_size)
     scratch_scales = kv_cache.allocate_scales(shard.kv_spec, config.kv_cache_scale, config.device)
