@@ -59,8 +59,9 @@ from kiln.compilation.counters import compile_counts
 from kiln.model.causal_lm import build_model
 from kiln.model.spec import resolve
 from kiln.store.signing import TrustedKeys
-spec, device, path, keys = sys.argv[1:5]
-model = build_model(resolve(common_pb2.ModelSpec.FromString(bytes.fromhex(spec)), device), device)
+spec, device, path, keys, quantization = sys.argv[1:6]
+model = build_model(resolve(common_pb2.ModelSpec.FromString(bytes.fromhex(spec)), device), device,
+                    quantization=quantization)
 from kiln.store.bundle import preload_runtime
 t = time.perf_counter()
 preload_runtime()
@@ -149,7 +150,7 @@ def main() -> None:
                 store = (args.keep_stores or tmp) / f"store-{name}"
                 row = run(COMPILE, spec, args.device, str(store), compile_config(args, variants[label]), keys,
                           env=fresh_env(tmp, f"compile-{name}"))
-                row |= run(LOAD, spec, args.device, str(store / row["key"]), keys,
+                row |= run(LOAD, spec, args.device, str(store / row["key"]), keys, args.quantization,
                            env=fresh_env(tmp, f"load-{name}"))
                 rows[(label, layers)] = row | {"variant": label, "layers": layers}
     print(json.dumps(list(rows.values()), indent=1))

@@ -19,10 +19,11 @@
 `--backend openai` sends the same requests through the OpenAI-compatible gateway instead (streamed
 `/v1/completions`, as vLLM's benchmark_serving sends them to vLLM): `kiln api-server` started as a child process in
 front of the execute service, or a running one at `--api-url`. The result block is the same, plus the gateway's CPU
-time per output token when it runs here; run both backends to see what the gateway costs.
+time per output token when it runs here. `--backend grpc,openai` runs both in turn against the same loaded model,
+each at every rate: what the gateway costs, side by side.
 
 usage: python bench/serving.py [--preset llama-3-8b] [--requests 128] [--request-rate 2,8,32,inf] [--json-out F]
-                               [--backend grpc|openai] [--tensor-parallel-size 2 --skip-hf]
+                               [--backend grpc|openai|grpc,openai] [--tensor-parallel-size 2 --skip-hf]
 """
 
 import argparse
@@ -94,6 +95,8 @@ def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
 class GrpcBackend:
     """Generate on the execute service itself."""
 
+    name = "grpc"
+
     def __init__(self, stub, model: str):
         self.stub, self.model = stub, model
 
@@ -110,6 +113,8 @@ class GrpcBackend:
 class OpenAIBackend:
     """Streamed /v1/completions through the gateway; ``return_token_ids`` counts the tokens of each chunk (the
     dummy-weight presets have no tokenizer, so there is no text to count)."""
+
+    name = "openai"
 
     def __init__(self, url: str, model: str):
         from openai_stream import SseClient
@@ -191,13 +196,14 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
 
 async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, rate: float, exec_pid: int | None,
                    gateway_pid: int | None = None) -> dict:
+    """One rate through ``backend`` (a GrpcBackend or an OpenAIBackend)."""
     await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model, reset=True))
     cpu_before = thread_cpu_s(exec_pid) if exec_pid else None
     gateway_before = sum(thread_cpu_s(gateway_pid).values()) if gateway_pid else None
     timings, duration = await send_all(backend, prompts, args.output_len,
                                        arrival_offsets(len(prompts), rate, args.seed))
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
-    result = {"request_rate": rate, "backend": args.backend, **latency_metrics(timings, duration)}
+    result = {"request_rate": rate, "backend": backend.name, **latency_metrics(timings, duration)}
     result["gpu_busy"] = sum(s.total_ms for s in stats) / 1e3 / duration
     result["forward_stats"] = [(s.batch_size, s.phase, s.path, s.count, round(s.median_ms, 2), round(s.p99_ms, 2))
                                for s in stats]
@@ -268,8 +274,8 @@ HEALTH_TIMEOUT_S = 60.0
 
 @contextmanager
 def gateway(args, exec_address: str, logdir: Path) -> Iterator[tuple[str | None, int | None]]:
-    """With --backend openai: (the gateway's URL, its pid when it runs here), else (None, None)."""
-    if args.backend != "openai":
+    """With openai among --backend: (the gateway's URL, its pid when it runs here), else (None, None)."""
+    if "openai" not in args.backend:
         yield None, None
         return
     if args.api_url:
@@ -299,12 +305,16 @@ def gateway(args, exec_address: str, logdir: Path) -> Iterator[tuple[str | None,
 
 async def sweep(address: str, model: str, prompts: list[list[int]], args, exec_pid: int | None,
                 api_url: str | None = None, gateway_pid: int | None = None) -> list[dict]:
+    """Every --request-rate through every --backend in turn, against the same loaded model (side by side)."""
+    results = []
     async with connect_aio(address) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
-        backend = OpenAIBackend(api_url, model) if api_url else GrpcBackend(stub, model)
-        await send_all(backend, prompts[:8], 8, [0.0] * min(8, len(prompts)))  # warm-up
-        return [await run_rate(stub, backend, model, prompts, args, rate, exec_pid, gateway_pid)
-                for rate in args.request_rate]
+        for name in args.backend:
+            backend = OpenAIBackend(api_url, model) if name == "openai" else GrpcBackend(stub, model)
+            await send_all(backend, prompts[:8], 8, [0.0] * min(8, len(prompts)))  # warm-up
+            results += [await run_rate(stub, backend, model, prompts, args, rate, exec_pid,
+                                       gateway_pid if name == "openai" else None) for rate in args.request_rate]
+    return results
 
 
 async def kiln_run(args, prompts, tmp: Path) -> dict:
@@ -369,18 +379,18 @@ def hf_run(args, prompts) -> dict:
     return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall}
 
 
-RATE_COLUMNS = ["request_rate", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
-                "median_e2el_ms", "p99_e2el_ms", "gpu_busy", "event_loop_cpu_ms_per_token",
+RATE_COLUMNS = ["backend", "request_rate", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
+                "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "gpu_busy", "event_loop_cpu_ms_per_token",
                 "other_threads_cpu_ms_per_token"]
 
 
 def print_rate_table(rates: list[dict]) -> None:
-    print("| request rate (req/s) | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | E2E p50 ms "
-          "| E2E p99 ms | GPU busy | event loop CPU ms/token |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| backend | request rate (req/s) | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+          "| E2E p50 ms | E2E p99 ms | GPU busy | event loop CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rates:
         cpu = r.get("event_loop_cpu_ms_per_token")
-        print(f"| {r['request_rate']:g} | {r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | "
+        print(f"| {r['backend']} | {r['request_rate']:g} | {r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | "
               f"{r['p99_ttft_ms']:.1f} | {r['median_itl_ms']:.2f} | {r['p99_itl_ms']:.2f} | "
               f"{r['median_e2el_ms']:.0f} | {r['p99_e2el_ms']:.0f} | {100 * r['gpu_busy']:.0f}% | "
               f"{'-' if cpu is None else f'{cpu:.4f}'} |")
@@ -426,6 +436,14 @@ def parse_rates(text: str) -> list[float]:
     return [float(r) for r in text.split(",")]
 
 
+def parse_backends(text: str) -> list[str]:
+    backends = [b.strip() for b in text.split(",") if b.strip()]
+    unknown = sorted(set(backends) - {"grpc", "openai"})
+    if unknown or not backends or len(set(backends)) != len(backends):
+        raise argparse.ArgumentTypeError(f"{text!r}: grpc, openai or both, comma-separated, each once")
+    return backends
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-3-8b")
@@ -445,9 +463,10 @@ def main() -> None:
                                     "(default: the service's)")
     p.add_argument("--exec-server", default="", help="a running execute service (default: start both locally)")
     p.add_argument("--model", default="", help="with --exec-server: the name of a model loaded there")
-    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+    p.add_argument("--backend", type=parse_backends, default=["grpc"],
                    help="grpc: Generate on the execute service; openai: streamed /v1/completions through kiln "
-                        "api-server (started here in front of the execute service unless --api-url names one)")
+                        "api-server (started here in front of the execute service unless --api-url names one); "
+                        "grpc,openai: both in turn, against the same loaded model")
     p.add_argument("--api-url", default="", help="with --backend openai: a running gateway, e.g. http://host:8000")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--skip-hf", action="store_true")
@@ -464,7 +483,7 @@ def main() -> None:
     vocab = PRESETS[args.preset]["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
                for _ in range(args.requests)]
-    if args.api_url and args.backend != "openai":
+    if args.api_url and "openai" not in args.backend:
         p.error("--api-url needs --backend openai")
     if args.exec_server:
         with tempfile.TemporaryDirectory() as tmp, gateway(args, args.exec_server, Path(tmp)) as (api_url, pid):
@@ -496,7 +515,7 @@ def main() -> None:
         print("\n| system | output tokens | wall s | output tokens/s | vs transformers |")
         print("|---|---|---|---|---|")
         ratio = f"{saturated['output_throughput'] / hf['tokens_per_s']:.1f}x" if "tokens_per_s" in hf else "-"
-        via = "OpenAI gateway" if args.backend == "openai" else "gRPC"
+        via = "OpenAI gateway" if saturated["backend"] == "openai" else "gRPC"
         print(f"| Kiln ({via}, CUDA graphs), rate {saturated['request_rate']:g} | {saturated['output_tokens']} | "
               f"{saturated['duration_s']:.1f} | {saturated['output_throughput']:.0f} | {ratio} |")
         if "tokens_per_s" in hf:

@@ -39,24 +39,26 @@ def test_serving_bench_reports_each_rate_as_vllm_does(exec_server, tiny_loaded, 
         rows = list(csv.DictReader(f))
     assert [row["request_rate"] for row in rows] == ["40.0", "inf"]
     assert float(rows[1]["output_throughput"]) == rates[1]["output_throughput"]
-    assert "| request rate (req/s) | output tok/s | TTFT p50 ms" in proc.stdout
+    assert "| backend | request rate (req/s) | output tok/s | TTFT p50 ms" in proc.stdout
 
 
-def test_serving_bench_through_the_openai_gateway_gives_the_same_block(exec_server, tiny_loaded, tmp_path):
-    """--backend openai: kiln api-server started in front of the execute service, the same figures, plus the
-    gateway's CPU per token."""
+def test_serving_bench_runs_grpc_and_the_openai_gateway_side_by_side(exec_server, tiny_loaded, tmp_path):
+    """--backend grpc,openai: the same requests on gRPC, then through kiln api-server started in front of the
+    execute service, against the same model: the same block for each, the gateway's with its CPU per token."""
     out = tmp_path / "serving.json"
     proc = subprocess.run(
         [sys.executable, "bench/serving.py", "--exec-server", exec_server.address, "--model", "tiny", "--preset",
          "tiny-llama", "--requests", "8", "--request-rate", "inf", "--min-prompt", "4", "--max-prompt", "40",
-         "--output-len", "6", "--backend", "openai", "--json-out", str(out)],
+         "--output-len", "6", "--backend", "grpc,openai", "--json-out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (block,) = proc.stdout.split("Traffic request rate: ")[1:]
+    grpc_block, block = proc.stdout.split("Traffic request rate: ")[1:]
+    assert re.search(r"^Backend: +grpc *$", grpc_block, re.M) and "API gateway" not in grpc_block
     assert re.search(r"^Total generated tokens: +48 *$", block, re.M)
     assert re.search(r"^Backend: +openai *$", block, re.M)
     assert re.search(r"^API gateway CPU per output token \(ms\): +[\d.]+ *$", block, re.M)
-    (rate,) = json.loads(out.read_text())["rates"]
+    grpc_rate, rate = json.loads(out.read_text())["rates"]
+    assert grpc_rate["backend"] == "grpc" and grpc_rate["output_tokens"] == 48
     assert rate["completed"] == 8 and rate["output_tokens"] == 48 and rate["backend"] == "openai"
     assert 0 < rate["median_ttft_ms"] <= rate["p99_e2el_ms"]
     assert rate["gateway_cpu_ms_per_token"] >= 0  # clock ticks of 10 ms: a run this small may read 0

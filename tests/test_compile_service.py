@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import grpc
@@ -90,6 +91,25 @@ def test_compiles_do_not_grow_with_the_number_of_layers(compile_stub, model_type
         delta = compile_counts() - before
         counts.add((delta.dynamo_graphs, delta.inductor_compiles, result.num_pieces, result.num_splits))
     assert counts == {(kinds, 2 * kinds, 2 * kinds, kinds)}
+
+
+def test_a_compile_runs_on_the_compile_thread_which_outlives_it(compile_stub, monkeypatch):
+    """Issue 23: the exit of a thread that had just compiled Llama-3-8B crashed the compile service (SIGSEGV in the
+    event loop's thread). Compiles run on the one compile thread, which is still there once the call is done."""
+    from compile_service import pipeline
+
+    threads = []
+    compile_into = pipeline._compile_into
+
+    def recorded(*args):
+        threads.append(threading.current_thread())
+        return compile_into(*args)
+
+    monkeypatch.setattr(pipeline, "_compile_into", recorded)
+    for width in (80, 96):  # two new keys: two compiles
+        assert not compile_result(compile_stub, tiny_with(intermediate_size=width)).cache_hit
+    assert len(threads) == 2 and threads[0] is threads[1], threads
+    assert threads[0].name.startswith("compile") and threads[0].is_alive()
 
 
 def test_second_compile_is_a_hit_without_inductor(compile_stub, tiny_key):

@@ -221,7 +221,8 @@ def test_a_mixed_step_splits_into_its_leading_decodes_and_the_rest():
     inputs, _ = buffers.prepare(scheduler.schedule())
     meta = inputs.metadata
     assert meta.num_decodes == 2 and meta.max_query_len > 1
-    decodes, rest = meta.split_decodes()
+    decodes, rest = meta.decode_split
+    assert meta.decode_split[0] is decodes  # made once, for every layer
     assert decodes.query_start_loc.tolist() == [0, 1, 2] and rest.query_start_loc.tolist()[0] == 2
     torch.manual_seed(0)
     tokens = inputs.num_tokens

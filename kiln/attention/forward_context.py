@@ -4,6 +4,7 @@ The op is opaque to Dynamo, so the compiled graph only passes q/k/v and the laye
 the step's block tables live here, owned by the runner for exactly the duration of one forward.
 """
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,10 +33,11 @@ class AttentionMetadata:
     def is_decode(self) -> bool:
         return self.max_query_len == 1
 
-    def split_decodes(self) -> tuple["AttentionMetadata | None", "AttentionMetadata"]:
+    @functools.cached_property
+    def decode_split(self) -> tuple["AttentionMetadata | None", "AttentionMetadata"]:
         """A mixed step as its leading one-query sequences and the rest, so the GPU attends the first with the
         decode kernel (K/V read once per GQA group) and only the rest with the prefill kernel. Token offsets stay
-        absolute: both halves index the step's q and output as a whole."""
+        absolute: both halves index the step's q and output as a whole. Made once per step: every layer asks."""
         n = self.num_decodes
         if n == 0:
             return None, self

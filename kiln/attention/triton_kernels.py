@@ -703,7 +703,7 @@ def paged_attention(
     if meta.is_decode:
         _decode(q, kv_cache, meta, scale, window, softcap, out, kv_scale)
     else:
-        decodes, _ = meta.split_decodes()
+        decodes, _ = meta.decode_split
         if decodes is not None:
             _decode(q, kv_cache, decodes, scale, window, softcap, out, kv_scale)
         _prefill(q, kv_cache, meta, scale, window, softcap, out, meta.num_decodes, kv_scale)
