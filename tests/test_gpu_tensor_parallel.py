@@ -37,7 +37,7 @@ def load(stub, name: str, path, dtype: str, graphs: bool, tensor_parallel_size: 
     request = exec_pb2.LoadModelRequest(
         name=name, model=common_pb2.ModelSpec(hf_dir=str(path), dtype=dtype), weights=str(path),
         config=common_pb2.CompileConfig(device="cuda", max_num_batched_tokens=256), max_model_len=512,
-        max_num_seqs=8, runtime_mode=mode, tensor_parallel_size=tensor_parallel_size,
+        max_num_seqs=8, runtime_mode=mode, tensor_parallel_size=tensor_parallel_size, kv_cache_bytes=256 << 20,
         **(dict(capture_sizes=[1, 2, 4, 8], piecewise_capture_sizes=[16, 64, 256]) if graphs else {}))
     return list(stub.LoadModel(request))[-1].ready
 
