@@ -13,9 +13,17 @@ What that test needs, this does: each rank's GPU its current device, and one all
 capture, which creates the NCCL communicator (made lazily at the first collective, which must not be inside a
 capture). NCCL's own settings are the environment's (tests and benches set NCCL_NVLS_ENABLE=0 on shared hosts);
 Kiln sets none.
+
+One torch setting is Kiln's unless the operator set it: TORCH_NCCL_ASYNC_ERROR_HANDLING=0. torch's default (3) ends
+the process when its watchdog sees an NCCL error or timeout, and rank 0 is the execute service, serving every other
+model too; its other mode (2) aborts the communicator on the watchdog's thread, where the abort waits for every CUDA
+graph that captured the communicator's calls (vllm-project/vllm#39846) and the stuck watchdog gets the process
+killed by torch's heartbeat monitor. Kiln handles the failure itself instead (RankGroup: the model is lost and the
+communicator aborted on a thread of its own).
 """
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -27,6 +35,7 @@ def join_groups(store: dist.Store, rank: int, size: int, device: str,
     control = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
     if device != "cuda":
         return control, control
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # read as the group is made; why: above
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     collective = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
