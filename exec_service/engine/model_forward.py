@@ -24,6 +24,10 @@ class ModelForward:
                    path: StepPath, padded_size: int) -> None:
         """A step is about to run by ``path``: nothing to do on one rank (TensorParallelForward: tell the others)."""
 
+    def step_synced(self) -> None:
+        """A step's results reached the host: nothing to check on one rank (TensorParallelForward: that no rank was
+        lost while it ran)."""
+
     def compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The compiled layers in whatever forward context is set (what CUDA graphs capture)."""
         return self.compiled(self.token_model, input_ids, positions)

@@ -7,6 +7,7 @@ Inductor.
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,10 +57,12 @@ class LaunchedStep:
     host: torch.Tensor  # [S] int64 (pinned on CUDA), where ``sampled`` is copied to
     ready: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is done at once)
     logprobs: SampledLogprobs | None = None  # on the host once ``ready``; when a sequence of the step asked for them
+    synced: Callable[[], None] = lambda: None  # ModelForward.step_synced
 
     def token_ids(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
+        self.synced()
         return self.host.tolist()
 
     def done(self) -> bool:
@@ -140,4 +143,5 @@ class ModelRunner:
             ready = self._ready[parity]
             ready.record()
         rows = {e.seq: row for row, e in enumerate(batch.sampling_entries)}
-        return LaunchedStep(batch, sampled, rows, path, padded or inputs.num_tokens, timer, host, ready, host_logprobs)
+        return LaunchedStep(batch, sampled, rows, path, padded or inputs.num_tokens, timer, host, ready, host_logprobs,
+                            self.forward.step_synced)

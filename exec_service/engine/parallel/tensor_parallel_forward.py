@@ -40,6 +40,11 @@ class TensorParallelForward(ModelForward):
         except Exception as exc:
             self._failed(exc)
 
+    def step_synced(self) -> None:
+        """ModelLost when a rank was lost while the step ran: on CUDA its all-reduces may have been cut short by the
+        abort (RankGroup), so its tokens are not the model's and none is delivered."""
+        self._check()
+
     def compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inside the ranks' group: what the steps and every CUDA-graph capture (its warm-up included) run."""
         with tensor_parallel_group(self.ranks.collective):
