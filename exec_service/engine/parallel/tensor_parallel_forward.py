@@ -47,8 +47,11 @@ class TensorParallelForward(ModelForward):
 
     def compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Inside the ranks' group: what the steps and every CUDA-graph capture (its warm-up included) run."""
-        with tensor_parallel_group(self.ranks.collective):
-            return super().compiled_forward(input_ids, positions)
+        try:
+            with tensor_parallel_group(self.ranks.collective):
+                return super().compiled_forward(input_ids, positions)
+        except Exception as exc:
+            self._failed(exc)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  metadata: AttentionMetadata, kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -59,7 +62,11 @@ class TensorParallelForward(ModelForward):
             self._failed(exc)
 
     def _failed(self, exc: Exception) -> NoReturn:
+        if isinstance(exc, ModelLost):  # lost already, by a forward inside this one
+            raise exc
         self.ranks.failed(exc)
+        if isinstance(exc, torch.OutOfMemoryError):  # the limit the caller names (a capture's field); lost all the same
+            raise exc
         self._check()
         raise exc
 
