@@ -23,7 +23,7 @@ time per output token when it runs here. `--backend grpc,openai` runs both in tu
 each at every rate: what the gateway costs, side by side.
 
 usage: python bench/serving.py [--preset llama-3-8b] [--requests 128] [--request-rate 2,8,32,inf] [--json-out F]
-                               [--backend grpc|openai|grpc,openai]
+                               [--backend grpc|openai|grpc,openai] [--tensor-parallel-size 2 --skip-hf]
 """
 
 import argparse
@@ -324,6 +324,8 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
         spec = model_spec(args.preset, args.dtype)
         config = compile_config(args.device, max_compiled_tokens=args.max_num_batched_tokens,
                                 quantization=args.quantization)
+        if args.tensor_parallel_size > 1:  # the bundle is compiled for the ranks (a key factor), once, here
+            config.tensor_parallel_size = args.tensor_parallel_size
         async with connect_aio(services.compile.address) as channel:
             started = time.perf_counter()
             await compile_model_async(compile_pb2_grpc.CompileServiceStub(channel),
@@ -332,7 +334,8 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
                                             max_model_len=args.max_prompt + args.output_len + 16,
                                             piecewise_capture_sizes=args.piecewise_capture_sizes,
-                                            kv_cache_dtype=args.kv_cache_dtype)
+                                            kv_cache_dtype=args.kv_cache_dtype,
+                                            tensor_parallel_size=args.tensor_parallel_size)
         async with connect_aio(services.exec.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             print("LoadModel (bundle downloaded from the compile service):")
@@ -469,6 +472,8 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
     p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3"], help="fp8_e4m3: an FP8 KV cache")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks, one GPU each (docs/tensor-parallel.md); with --skip-hf when one GPU cannot hold it")
     args = p.parse_args()
     if bool(args.exec_server) != bool(args.model):
         p.error("--exec-server and --model go together")
@@ -491,8 +496,10 @@ def main() -> None:
             result["hf"] = hf_run(args, prompts)
         except Exception as exc:  # noqa: BLE001 - the peer failing is a result to report, not a crash
             result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
-    workload = (f"{args.preset} {args.dtype}, {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
-                f"{args.output_len} output tokens each, greedy, {time.strftime('%Y-%m-%d')}")
+    ranks = f", tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    workload = (f"{args.preset} {args.dtype}{ranks}, {args.requests} requests, prompts "
+                f"{args.min_prompt}-{args.max_prompt}, {args.output_len} output tokens each, greedy, "
+                f"{time.strftime('%Y-%m-%d')}")
     print(f"\n{workload}")
     if "first_load" in result:
         print("| phase | first LoadModel s (download) | second LoadModel s (cached) |")

@@ -89,8 +89,8 @@ def register(subparsers) -> None:
     p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
                    help="how forwards run (default: cudagraph on CUDA, compiled on CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=0,
-                   help="ranks the model is split over, one process each (so far: llama, qwen2, mistral on the CPU; "
-                        "docs/tensor-parallel.md; default: 1)")
+                   help="ranks the model is split over, one process each, one GPU each on CUDA (so far: llama, "
+                        "qwen2, mistral; docs/tensor-parallel.md; default: 1)")
     add_compile_config_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     security_args.add_client_args(p)

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from kiln.model.presets import TINY
 from protos import common_pb2, exec_pb2
-from tests.conftest import load_model
+from tests.conftest import TINY_MODEL, load_model
 
 PROMPTS = [[1, 5, 9, 200, 17], [3, 3, 40, 11, 7, 90, 123, 6, 2, 8, 64], [77]]
 MAX_TOKENS = 12
@@ -122,6 +123,19 @@ def test_kv_heads_that_do_not_divide_are_refused(exec_stub):
     assert "num_key_value_heads 2" in info.value.details() and "tensor_parallel_size" in info.value.details()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host has the GPUs for two ranks")
+def test_cuda_ranks_beyond_the_hosts_gpus_are_refused(exec_stub):
+    """One GPU per rank: on a host with fewer (none here, where config.device 'cuda' is refused on its own too)."""
+    request = exec_pb2.LoadModelRequest(name="tiny-tp2-cuda", model=TINY_MODEL, tensor_parallel_size=2,
+                                        config=common_pb2.CompileConfig(device="cuda", max_compiled_tokens=128))
+    with pytest.raises(grpc.RpcError) as info:
+        list(exec_stub.LoadModel(request))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = info.value.details()
+    assert "tensor_parallel_size: 2 ranks need 2 GPUs" in details, details
+    assert f"this host has {torch.cuda.device_count()}" in details, details
+
+
 def test_a_family_without_a_test_over_ranks_is_refused(exec_stub):
     with pytest.raises(grpc.RpcError) as info:
         load_model(exec_stub, "gemma-tp2", model=common_pb2.ModelSpec(config_json=json.dumps(
@@ -201,3 +215,22 @@ def test_two_ranks_read_a_checkpoint_shard_by_shard(exec_stub, checkpoint_dir, t
     finally:
         for name in ("ckpt-tp1", "ckpt-tp2"):
             exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
+
+
+def test_the_70b_preset_fits_an_h200_as_one_of_two_shards(monkeypatch):
+    """The memory check before anything is allocated counts a rank's shard: Llama-3.1-70B's bfloat16 weights
+    (131.4 GiB) are refused on the 100 GiB an H200 has left beside a KV cache, one of two shards goes on to be built
+    (its dummy weights are cut layer by layer, so no rank holds the whole model)."""
+    from kiln.errors import ResourceExhausted
+    from kiln.model import causal_lm
+    from kiln.model.spec import resolve
+
+    resolved = resolve(common_pb2.ModelSpec(preset="llama-3.1-70b", dtype="bfloat16"), "cpu")
+    skeleton = causal_lm._skeleton(resolved)
+    monkeypatch.setattr(causal_lm, "available_bytes", lambda device: 100 << 30)
+    with pytest.raises(ResourceExhausted, match="take 131.4 GiB, the cuda has 100.0 GiB free"):
+        causal_lm._check_fits(skeleton, resolved, "cuda", None)
+    causal_lm._check_fits(skeleton, resolved, "cuda", None, ranks=2)
+    with pytest.raises(ResourceExhausted, match="one of 2 shards"):
+        monkeypatch.setattr(causal_lm, "available_bytes", lambda device: 60 << 30)
+        causal_lm._check_fits(skeleton, resolved, "cuda", None, ranks=2)

@@ -5,12 +5,15 @@ the bundle or the other fields."""
 import dataclasses
 import re
 
+import torch
+import torch.distributed
+
 from exec_service.api.runtime_modes import runtime_mode_from_proto
 from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES, EngineConfig
 from exec_service.engine.kv.kv_cache import KV_CACHE_DTYPES
 from exec_service.startup.load_model import LoadTarget
 from kiln.compilation.config import MIN_COMPILED_TOKENS, CompileConfig
-from kiln.errors import InvalidArgument, NotFound, quote
+from kiln.errors import FailedPrecondition, InvalidArgument, NotFound, quote
 from kiln.model.hub import is_hub_id
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
@@ -31,6 +34,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTarget:
     """Validated, with every client-named directory (model, weights) checked against ``roots``."""
+    if (request.tensor_parallel_size or 1) > 1 and request.config.device == "cuda":
+        _check_gpus(request.tensor_parallel_size)  # before config.device's own check, which says less of this
     compile_config = tensor_parallel_config(request, CompileConfig.from_proto(request.config))
     resolved = resolve(request.model, compile_config.device, roots)
     check_shardable(resolved.config, compile_config.tensor_parallel_size)
@@ -55,13 +60,23 @@ def tensor_parallel_config(request: exec_pb2.LoadModelRequest, compile_config: C
                               f"tensor_parallel_size {size}; set only tensor_parallel_size")
     if size == 1:
         return compile_config
-    if compile_config.device != "cpu":
-        raise InvalidArgument(f"tensor_parallel_size: {size} ranks run on the CPU (gloo) so far, not on "
-                              f"{compile_config.device}")
+    if compile_config.device == "cuda":  # the default device, when config.device names none
+        _check_gpus(size)
     if compile_config.quantization:
         raise InvalidArgument(f"tensor_parallel_size: {size} ranks do not serve quantization "
                               f"{compile_config.quantization!r} yet")
     return dataclasses.replace(compile_config, tensor_parallel_size=size)
+
+
+def _check_gpus(size: int) -> None:
+    """One GPU per rank, through NCCL: a host with fewer GPUs (or none visible) cannot serve ``size`` ranks."""
+    gpus = torch.cuda.device_count()
+    if size > gpus:
+        raise FailedPrecondition(f"tensor_parallel_size: {size} ranks need {size} GPUs, one each; this host has "
+                                 f"{gpus} (torch.cuda.device_count()); lower tensor_parallel_size")
+    if not torch.distributed.is_nccl_available():
+        raise FailedPrecondition(f"tensor_parallel_size: {size} ranks on cuda need NCCL, which this PyTorch build "
+                                 f"lacks")
 
 
 def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,

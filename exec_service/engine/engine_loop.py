@@ -252,6 +252,8 @@ class Engine:
         try:
             token_ids = step.token_ids()
         except Exception as exc:  # noqa: BLE001 - the device failed while it ran the step
+            if isinstance(exc, ModelLost):  # a rank was lost while it ran: every request ends, not this step's
+                raise
             self._fail(step.batch, exc)
             return
         # Observed before any request hears of its tokens: a request's span is still live when its last step's

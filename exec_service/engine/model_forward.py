@@ -8,12 +8,25 @@ import torch
 
 from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.model.causal_lm import TokenModel
+from kiln.step_record import StepPath
 
 
 class ModelForward:
     def __init__(self, token_model: TokenModel, compiled=None):
         self.token_model = token_model
         self.compiled = compiled  # kiln.model.layer_regions.CompiledLayers, or None: the eager model serves
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The KV blocks the cache gets when this rank's memory holds ``num_blocks``: on one rank, those."""
+        return num_blocks
+
+    def begin_step(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                   path: StepPath, padded_size: int) -> None:
+        """A step is about to run by ``path``: nothing to do on one rank (TensorParallelForward: tell the others)."""
+
+    def step_synced(self) -> None:
+        """A step's results reached the host: nothing to check on one rank (TensorParallelForward: that no rank was
+        lost while it ran)."""
 
     def compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The compiled layers in whatever forward context is set (what CUDA graphs capture)."""

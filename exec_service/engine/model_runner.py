@@ -7,6 +7,7 @@ Inductor.
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,10 +57,12 @@ class LaunchedStep:
     host: torch.Tensor  # [S] int64 (pinned on CUDA), where ``sampled`` is copied to
     ready: torch.cuda.Event | None  # recorded after that copy (None on CPU, where the copy is done at once)
     logprobs: SampledLogprobs | None = None  # on the host once ``ready``; when a sequence of the step asked for them
+    synced: Callable[[], None] = lambda: None  # ModelForward.step_synced
 
     def token_ids(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
+        self.synced()
         return self.host.tolist()
 
     def done(self) -> bool:
@@ -113,6 +116,8 @@ class ModelRunner:
         inputs, parity = self.buffers.prepare(
             batch, padded if path == StepPath.FULL_GRAPH else None, previous.sampled if previous else None,
             previous.rows if previous else None, padded_tokens=padded if path == StepPath.PIECEWISE_GRAPH else None)
+        self.forward.begin_step(inputs.input_ids, inputs.positions, inputs.metadata, path,
+                                padded or inputs.num_tokens)
         timer = ForwardTimer(self.device, previous.timer if previous else None,
                              device_idle=previous is None or previous.done())
         with timer:
@@ -138,4 +143,5 @@ class ModelRunner:
             ready = self._ready[parity]
             ready.record()
         rows = {e.seq: row for row, e in enumerate(batch.sampling_entries)}
-        return LaunchedStep(batch, sampled, rows, path, padded or inputs.num_tokens, timer, host, ready, host_logprobs)
+        return LaunchedStep(batch, sampled, rows, path, padded or inputs.num_tokens, timer, host, ready, host_logprobs,
+                            self.forward.step_synced)

@@ -3,10 +3,12 @@
 On CUDA the budget is DESIGN.md's formula: ``total × gpu_memory_utilization − weights − activation peak −
 CUDA graphs``, capped by ``kv_cache_bytes``, where the graphs' bytes were measured as they were captured
 (exec_service.startup.graph_capture). On CPU there is nothing to measure against: the budget is
-``kv_cache_bytes``, refused when the host has less memory free.
+``kv_cache_bytes``, refused when the host has less memory free. Over the ranks of a tensor-parallel model each rank
+sizes its own budget, once the ranks have joined, and the cache gets the fewest blocks any rank's holds (``agree``).
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,16 +54,25 @@ def cpu_budget(weights_bytes: int, cap_bytes: int) -> MemoryBudget:
     return MemoryBudget(0, weights_bytes, 0, 0, cap_bytes)
 
 
-def num_blocks(budget: MemoryBudget, spec: KVCacheSpec, max_model_len: int) -> int:
-    """Blocks the budget holds. Fewer than one full-length sequence needs is allowed (requests that cannot fit are
-    refused one by one), none at all is an error the user can fix."""
-    blocks = budget.kv_cache_bytes // spec.block_bytes
+def num_blocks(budget: MemoryBudget, spec: KVCacheSpec, max_model_len: int,
+               agree: Callable[[int], int] | None = None) -> int:
+    """Blocks the budget holds; with ``agree`` (the ranks of a tensor-parallel model), the fewest any rank's holds.
+    Fewer than one full-length sequence needs is allowed (requests that cannot fit are refused one by one), none at
+    all is an error the user can fix."""
+    own = budget.kv_cache_bytes // spec.block_bytes
+    blocks = own if agree is None else agree(own)
+    if blocks < 1 <= own:
+        raise ResourceExhausted(
+            f"kv_cache_bytes: another rank's memory left for the KV cache holds no block of {spec.block_bytes} "
+            f"bytes (this rank's holds {own}); free memory on that rank's GPU or raise gpu_memory_utilization")
     if blocks < 1:
         graphs = (f" after {budget.cudagraph_bytes} bytes of CUDA graphs (lower piecewise_capture_sizes or "
                   f"capture_sizes)" if budget.cudagraph_bytes else "")
         raise ResourceExhausted(
             f"kv_cache_bytes: {budget.kv_cache_bytes} bytes left for the KV cache{graphs} hold no block of "
             f"{spec.block_bytes} bytes; raise kv_cache_bytes or gpu_memory_utilization")
+    if blocks < own:
+        log.info("the KV cache has %d blocks, the fewest any rank holds (this rank's holds %d)", blocks, own)
     if blocks * spec.block_size < max_model_len:
         log.warning("the KV cache holds %d tokens, fewer than max_model_len %d", blocks * spec.block_size,
                     max_model_len)
@@ -84,3 +95,10 @@ def allocate(spec: KVCacheSpec, blocks: int, device: str, kv_window: int, kv_cac
     window = f", KV window {kv_window} tokens (+1 null block)" if kv_window else ""
     log.info("# %s blocks: %d%s", "GPU" if device == "cuda" else "CPU", usable, window)
     return KVCache(caches, usable, kv_window, kv_cache.allocate_scales(spec, kv_cache_scale, device))
+
+
+def allocate_budgeted(budget: MemoryBudget, spec: KVCacheSpec, config: EngineConfig, kv_window: int,
+                      agree: Callable[[int], int] | None = None) -> KVCache:
+    """The cache the budget holds (``agree``: as ``num_blocks``)."""
+    return allocate(spec, num_blocks(budget, spec, config.max_model_len, agree), config.device, kv_window,
+                    config.kv_cache_scale)

@@ -29,12 +29,12 @@ from exec_service.engine.step_inputs import StepBuffers
 from exec_service.startup import kv_sizing
 from exec_service.startup.compiled_function import load_compiled, warm_up_compiled, warm_up_paged_attention
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle, StepFn
-from exec_service.startup.graph_capture import capture_full, capture_piecewise, full_graph_bytes
+from exec_service.startup.graph_capture import CapturedGraphs, capture_graphs
 from exec_service.startup.memory_profile import profile_memory
 from exec_service.startup.ranks import StartingRanks
 from exec_service.startup.weights import LoadedWeights, load_weights
 from kiln.compilation.config import CompileConfig
-from kiln.errors import InvalidArgument, KilnError, quote, resource_error
+from kiln.errors import InvalidArgument, KilnError, Unavailable, quote, resource_error
 from kiln.model.roots import PinnedDir
 from kiln.model.spec import ResolvedModel
 from kiln.runtime_mode import RuntimeMode
@@ -191,9 +191,16 @@ def _start_model(target: LoadTarget, fetcher: BundleFetcher, step_observers: lis
                                     target.weights_seed, fetched, fetcher.trusted)
     try:
         return _start_on_device(phases, target, fetcher, step_observers, emit, config, fetched, ranks, started)
-    except BaseException:
-        if ranks is not None:
-            ranks.abandon()
+    except BaseException as exc:
+        if ranks is None:
+            raise
+        # A rank that died after the join fails rank 0's next collective (a capture, the KV agreement) with the
+        # group's error; its exit says more.
+        joined_then_failed = ranks.group is not None and isinstance(exc, Exception) and not isinstance(exc, KilnError)
+        gone = ranks.group.exited() if joined_then_failed else None
+        ranks.abandon()
+        if gone is not None:
+            raise Unavailable(f"model: {gone} while loading; its log says why") from exc
         raise
 
 
@@ -220,10 +227,12 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
             with phases.step(spans.PROFILE_FORWARD):
                 activation_peak = profile_memory(loaded.token_model, config)
             kv = None
-            if not cudagraph:  # with CUDA graphs, the cache is sized once they are captured and measured
+            # With CUDA graphs, the cache is sized once they are captured and measured; over ranks, once the ranks
+            # have joined (their NCCL buffers taken) and can agree.
+            if not cudagraph and ranks is None:
                 with phases.step(spans.KV_CACHE):
                     budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak)
-                    kv = _allocate_kv(budget, kv_spec, config, loaded.kv_window)
+                    kv = kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window)
                 event.detail = _blocks_detail(kv, config)
                 span.set_attributes({spans.NUM_KV_BLOCKS: kv.num_blocks, spans.KV_CACHE_BYTES: kv.bytes})
             span.set_attribute(spans.ACTIVATION_PEAK_BYTES, activation_peak)
@@ -248,16 +257,23 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
                 span.set_attribute(spans.CACHE_KEY, fetched.key)
             if ranks is not None:
                 with phases.step(spans.JOIN_RANKS):
-                    forward = TensorParallelForward(forward, ranks.join(kv.caches[0].shape[1]))
+                    forward = TensorParallelForward(forward, ranks.join(config.device))
+                    if not cudagraph:  # every rank sizes its own budget: the cache gets the fewest blocks
+                        budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak)
+                        kv = kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window,
+                                                         forward.agree_num_blocks)
                 event.detail += f"; {ranks.size} ranks"
+                if kv is not None:
+                    event.detail += f", {_blocks_detail(kv, config)} (the fewest any rank holds)"
 
         full_graphs = piecewise_graphs = None
         cudagraph_bytes = 0
         with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
             if cudagraph:
-                full_graphs, piecewise_graphs, kv, cudagraph_bytes = _capture(
-                    phases, span, forward, config, target, buffers, (scratch_kv, scratch_scales), loaded,
-                    activation_peak, kv_spec)
+                graphs = _capture(phases, span, forward, config, target, buffers, (scratch_kv, scratch_scales),
+                                  loaded, activation_peak, kv_spec)
+                full_graphs, piecewise_graphs, kv, cudagraph_bytes = (graphs.full, graphs.piecewise, graphs.kv,
+                                                                      graphs.captured_bytes)
                 del scratch_kv, scratch_scales
                 event.detail = _blocks_detail(kv, config) + "; " + _graphs_detail(full_graphs, piecewise_graphs)
             else:
@@ -306,48 +322,30 @@ def _model_identity(target: LoadTarget, config: EngineConfig, kv_window: int,
     }
 
 
-def _allocate_kv(budget: kv_sizing.MemoryBudget, spec: kv_cache.KVCacheSpec, config: EngineConfig,
-                 kv_window: int) -> KVCache:
-    return kv_sizing.allocate(spec, kv_sizing.num_blocks(budget, spec, config.max_model_len), config.device,
-                              kv_window, config.kv_cache_scale)
-
-
 def _capture(phases: "_Phases", span: trace.Span, forward: ModelForward, config: EngineConfig, target: LoadTarget,
              buffers: StepBuffers, scratch: tuple[list, list | None], loaded: LoadedWeights, activation_peak: int,
-             kv_spec: kv_cache.KVCacheSpec) -> tuple[CUDAGraphs, PiecewiseGraphs | None, KVCache, int]:
-    """Piece graphs, the full graphs' measure, the KV cache sized around both, then the full graphs. ``scratch``:
-    a few blocks of cache and their FP8 scales (or None) for the eager attention of the captures before it exists."""
-    scratch_kv, scratch_scales = scratch
-    pool = torch.cuda.graph_pool_handle()
-    piecewise = None
-    if config.piecewise_capture_sizes:
-        def piece_captured(size: int, done: int) -> None:
-            total = len(config.piecewise_capture_sizes)
-            phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured piecewise graphs of {size} tokens ({done}/{total})")
+             kv_spec: kv_cache.KVCacheSpec) -> CapturedGraphs:
+    """The graphs and the KV cache sized around them (graph_capture.capture_graphs: every rank runs the same)."""
+    def size_kv(graph_bytes: int) -> KVCache:
+        budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak, graph_bytes)
+        return kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window, forward.agree_num_blocks)
 
-        with phases.step(spans.PIECEWISE_GRAPHS):
-            piecewise = capture_piecewise(forward, config, buffers, scratch_kv, pool, piece_captured,
-                                          scratch_scales)
-    with phases.step(spans.KV_CACHE):
-        measured = (piecewise.captured_bytes if piecewise else 0) + full_graph_bytes(
-            forward, config, target.resolved, buffers, scratch_kv, pool, scratch_scales)
-        budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak, measured)
-        kv = _allocate_kv(budget, kv_spec, config, loaded.kv_window)
+    def piece_captured(size: int, done: int) -> None:
+        total = len(config.piecewise_capture_sizes)
+        phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured piecewise graphs of {size} tokens ({done}/{total})")
 
     def captured(size: int, done: int) -> None:
         total = len(config.capture_sizes)
         phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured batch size {size} ({done}/{total})")
         span.add_event("captured", {spans.BATCH_SIZE: size})
 
-    with phases.step(spans.FULL_GRAPHS):
-        full = capture_full(forward, config, target.resolved, buffers, kv.caches, pool, captured, kv.scales)
-    total_bytes = full.captured_bytes + (piecewise.captured_bytes if piecewise else 0)
-    span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes),
-                         spans.CAPTURE_SECONDS: full.seconds + (piecewise.seconds if piecewise else 0.0),
+    graphs = capture_graphs(forward, config, target.resolved, buffers, scratch, size_kv, phases.step,
+                            piece_captured, captured)
+    span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes), spans.CAPTURE_SECONDS: graphs.seconds,
                          spans.PIECEWISE_CAPTURE_SIZES: list(config.piecewise_capture_sizes or ()),
-                         spans.BYTES: total_bytes, spans.NUM_KV_BLOCKS: kv.num_blocks,
-                         spans.KV_CACHE_BYTES: kv.bytes})
-    return full, piecewise, kv, total_bytes
+                         spans.BYTES: graphs.captured_bytes, spans.NUM_KV_BLOCKS: graphs.kv.num_blocks,
+                         spans.KV_CACHE_BYTES: graphs.kv.bytes})
+    return graphs
 
 
 def _blocks_detail(kv: KVCache, config: EngineConfig) -> str:

@@ -17,9 +17,11 @@ class LoadedWeights:
     quantization: str  # "fp8" when the decoder's linears are FP8 (asked for, or the checkpoint's), else ""
 
 
-def load_weights(resolved: ResolvedModel, config: EngineConfig, weights: str, seed: int) -> LoadedWeights:
+def load_weights(resolved: ResolvedModel, config: EngineConfig, weights: str, seed: int,
+                 rank: int = 0) -> LoadedWeights:
+    """``rank``'s shard of the model (the execute service's own process is rank 0)."""
     token_model = build_model(resolved, config.device, weights, seed, config.quantization,
-                              TensorParallel(0, config.tensor_parallel_size))  # this process is rank 0
+                              TensorParallel(rank, config.tensor_parallel_size))
     window = kv_window(layer_windows(token_model, config.device))
     # A window that no sequence outgrows by a whole block never lets one go: then there is no null block either.
     window = window if window + config.block_size <= config.max_model_len else 0

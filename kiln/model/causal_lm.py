@@ -101,9 +101,10 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
         raise InvalidArgument("tensor_parallel_size: over one rank, models are served in their own dtype only so "
                               "far (no FP8)")
     skeleton = _skeleton(model)
-    _check_fits(skeleton, model, device, fp8)
+    _check_fits(skeleton, model, device, fp8, tensor_parallel.size if sharded else 1)
     if weights in ("", "dummy"):
-        causal_lm = _dummy_weights(skeleton, device, seed, _fp8_layer(fp8))
+        hook = _shard_layer(skeleton.config, tensor_parallel) if sharded else _fp8_layer(fp8)
+        causal_lm = _dummy_weights(skeleton, device, seed, hook)
     else:
         directory = Path(weights)  # a directory the model roots admitted (exec_service.api.load_request)
         if not directory.is_dir():
@@ -205,6 +206,16 @@ def _fp8_layer(fp8: Fp8Quantization | None) -> LayerHook | None:
     return prepare
 
 
+def _shard_layer(config, tensor_parallel: TensorParallel) -> LayerHook:
+    """Each decoder layer cut to this rank's shard as soon as it is initialised whole: only one whole layer is ever
+    on the device, and its values are those of the one-rank model (the same initialisation, in the same order)."""
+    def prepare(layer: torch.nn.Module, prefix: str) -> None:
+        merge_projections([layer])
+        shard_layers([layer], config, tensor_parallel)
+
+    return prepare
+
+
 def _load_fp8_checkpoint(directory: Path, skeleton: PreTrainedModel, fmt: Fp8Checkpoint, device: str,
                          seed: int) -> PreTrainedModel:
     """An FP8 checkpoint, checked name by name, shape by shape and type by type before anything is built, then loaded
@@ -241,12 +252,17 @@ def _load_sharded(directory: Path, skeleton: PreTrainedModel, device: str, seed:
     return token_model.eval()
 
 
-def _check_fits(skeleton: PreTrainedModel, model: ResolvedModel, device: str, fp8: Fp8Quantization | None) -> None:
+def _check_fits(skeleton: PreTrainedModel, model: ResolvedModel, device: str, fp8: Fp8Quantization | None,
+                ranks: int = 1) -> None:
     needed, free = weights_bytes(skeleton), available_bytes(device)
     if fp8 is not None:  # a byte per weight of the decoder's linears, and a float32 scale per row
         for linear in _decoder_linears(skeleton):
             needed -= linear.weight.numel() * (linear.weight.element_size() - 1) - 4 * linear.out_features
+    if ranks > 1:  # a shard of each decoder linear (the rest is replicated)
+        needed -= sum(linear.weight.numel() * linear.weight.element_size()
+                      for linear in _decoder_linears(skeleton)) * (ranks - 1) // ranks
     kind = f"{model.dtype_name}{' with FP8 linears' if fp8 else ''}"
+    kind += f", one of {ranks} shards" if ranks > 1 else ""
     if free is not None and needed > free:
         raise ResourceExhausted(f"model config: the weights of {model.name} in {kind} take "
                                 f"{needed / 2**30:.1f} GiB, the {device} has {free / 2**30:.1f} GiB free")

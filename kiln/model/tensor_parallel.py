@@ -106,6 +106,8 @@ def shard_layers(layers: list[torch.nn.Module], config, tp: TensorParallel) -> N
     check_shardable(config, tp.size)
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(attn.o_proj, RowParallelLinear):
+            continue  # sharded as it was built (kiln.model.causal_lm: dummy weights, layer by layer)
         if not isinstance(attn.q_proj, ProjectionSlice) or not isinstance(mlp.gate_proj, ProjectionSlice):
             raise InvalidArgument("tensor_parallel_size: the decoder's projections are not plain linears (FP8?); "
                                   "tensor parallelism shards plain linears only")
