@@ -146,6 +146,63 @@ def test_a_bug_outside_a_step_ends_every_request_instead_of_hanging(engine):
         asyncio.run(outcome(engine, request("after")))
 
 
+class StillRunning:
+    """The device slower than the host, on demand: each launched step says it has not finished yet when the engine
+    asks (``LaunchedStep.done``), so the engine overlaps every step with the next, as on a busy GPU."""
+
+    def __init__(self, execute):
+        self._execute = execute
+
+    def __call__(self, batch, *args):
+        launched = self._execute(batch, *args)
+        launched.done = lambda: False
+        return launched
+
+
+def steps_of(records: list, request_id: str) -> list[str]:
+    """The phases of the steps that served ``request_id``, in order."""
+    return [r.phase for r in records if request_id in r.request_ids]
+
+
+def run_alone(overlapped: bool, seqs: list[Sequence]) -> tuple[dict[str, list[int]], list]:
+    """Each request alone on a fresh engine of the eager tiny model: its tokens, and every step's record."""
+    records = []
+    runner = tiny_runner()
+    if overlapped:
+        runner.execute = StillRunning(runner.execute)
+    engine = Engine("tiny", runner, CONFIG, frozenset(), step_observers=[records.append])
+    engine.start()
+    try:
+        async def run():
+            return {seq.request_id: await outcome(engine, seq) for seq in seqs}
+
+        results = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert all(error is None for _, error in results.values()), results
+    return {rid: tokens for rid, (tokens, _) in results.items()}, records
+
+
+def test_a_step_the_device_finished_is_read_before_the_next_is_scheduled():
+    """A lone request whose first token is a stop token: on the CPU (each step done once launched) the engine reads
+    the prefill's token before it schedules anything else, so the request takes one step; with a device still
+    running each step, the next is scheduled first and its decode of that token is wasted (two steps). Both orders
+    give every request the same tokens."""
+    def seqs(first_token: int | None) -> list[Sequence]:
+        sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
+        stops = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=frozenset({first_token or 0}))
+        return [request("greedy"), Sequence("sampled", [5, 6, 7, 8, 9], sampled, max_model_len=CONFIG.max_model_len),
+                Sequence("stops", [5, 6, 7, 8, 9], stops, max_model_len=CONFIG.max_model_len)]
+
+    first = run_alone(False, [request("probe", max_tokens=1)])[0]["probe"][0]
+    serial, serial_steps = run_alone(False, seqs(first))
+    overlapped, overlapped_steps = run_alone(True, seqs(first))
+    assert serial == overlapped and serial["stops"] == [first] and len(serial["greedy"]) == 6
+    assert steps_of(serial_steps, "stops") == ["prefill"]
+    assert steps_of(overlapped_steps, "stops") == ["prefill", "decode"]
+    assert steps_of(serial_steps, "greedy") == steps_of(overlapped_steps, "greedy") == ["prefill"] + ["decode"] * 5
+
+
 # Through the real server: many streams at once, each equal to itself run alone.
 
 STREAMS = 64

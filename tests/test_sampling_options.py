@@ -251,11 +251,12 @@ def test_n_sequences_after_the_first_prefill_once_its_prompt_is_computed(exec_st
     got = generate(exec_stub, max_tokens=4, temperature=1.0, seed=1, ignore_eos=True, n=3)
     assert sorted(got) == [0, 1, 2]
     records = step_records[before:]
-    assert len({r.request_ids for r in records[:2]}) == 1 and len(records[0].request_ids) == 1
+    assert len(records[0].request_ids) == 1
     assert records[0].phase == "prefill" and records[0].num_tokens == len(PROMPT)
-    # The first's decode was scheduled before its token was read; the others come in the step after.
-    assert records[1].batch_size == 1 and records[2].batch_size == 3 and records[2].phase == "mixed"
-    assert records[2].num_tokens == 1 + 2 * len(PROMPT)
+    # On the CPU a step is read before the next is scheduled (it is done once launched): the others come in the
+    # step right after the first's prefill, beside its first decode.
+    assert records[1].batch_size == 3 and records[1].phase == "mixed"
+    assert records[1].num_tokens == 1 + 2 * len(PROMPT)
 
 
 def test_n_with_stop_strings_ends_each_sequence_on_its_own(exec_stub, chat_model, tokenizer):

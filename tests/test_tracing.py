@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from exec_service.telemetry import forward_stats
 from exec_service.telemetry.batch_size_log import BatchSizeLog, log_batchsize_interval
 from exec_service.telemetry.forward_stats import ForwardStats, stats_line
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS
@@ -370,6 +371,8 @@ def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
         assert not caplog.records and not out.get_finished_spans()
         time.sleep(0.25)
         report(step)
+        report.join()
+    assert {r.threadName for r in caplog.records} == {"batch-size-log"}  # never on the engine's thread
     merged = stats.by_phase()
     lines = {m: [s for s in merged if s.model == m] for m in ("other", "tiny-llama")}
     assert [r.getMessage() for r in caplog.records] == [f"{m}: {stats_line(rows)}" for m, rows in lines.items()]
@@ -396,6 +399,26 @@ def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
         assert list(span.attributes[spans.STATS_PHASES]) == [s.phase for s in rows]
         assert list(span.attributes[spans.STATS_PATHS]) == [s.path for s in rows]
         assert span.end_time - span.start_time >= 0.2e9  # it covers the interval it reports on
+
+
+def test_forward_stats_readers_sort_outside_the_lock(monkeypatch):
+    """GetForwardStats and the log line copy the series under the lock and sort them outside it, so the engine
+    thread's record of its next step never waits for them."""
+    stats = ForwardStats()
+    for ms in (1.0, 3.0, 2.0):
+        stats.record("tiny-llama", 1, ms, "eager", "decode", "eager")
+    computed = []
+
+    def stat_outside_the_lock(key, series):
+        assert not stats._lock.locked()
+        computed.append(key)
+        return stat(key, series)
+
+    stat = forward_stats._stat
+    monkeypatch.setattr(forward_stats, "_stat", stat_outside_the_lock)
+    assert [s.median_ms for s in stats.snapshot()] == [s.median_ms for s in stats.by_phase()] == [2.0]
+    assert [s.count for s in stats.snapshot(reset=True)] == [3] and not stats.snapshot()
+    assert len(computed) == 3
 
 
 def test_batch_size_log_off_reports_nothing(sdk, caplog, monkeypatch):

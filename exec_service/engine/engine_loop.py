@@ -4,7 +4,9 @@ The device never waits for Python: step N+1 is scheduled, its inputs prepared an
 while step N runs, and only then does the loop read step N's sampled tokens (the one sync per step), append them,
 and stream them (vLLM's async scheduling, SGLang's overlap scheduler). Step N+1's decodes take their input tokens
 from step N's output on the device; a sequence that step N finished or a client cancelled wastes one slot of step
-N+1, whose token is dropped. Requests and cancellations arrive from the event loop through an inbox and are applied
+N+1, whose token is dropped. When step N is already done by the time step N+1 would be scheduled (the host is the
+slower one, as on a CPU), nothing is overlapped any more: step N is read first, so its tokens are not held back by
+step N+1's preparation. Requests and cancellations arrive from the event loop through an inbox and are applied
 between steps. Each step's tokens go back to the Generate handlers through their RequestStreams; a step that fails
 fails its requests only, and the loop goes on.
 
@@ -197,6 +199,11 @@ class Engine:
                         self._abort(request_id)
                     case EndSequence(seq):
                         self._end_sequence(seq)
+            if in_flight is not None and in_flight.done():
+                # The device already ran it: its tokens go out now, not after the next step's inputs and launch
+                # (a lone request's first token waited for them), and the next step decodes them from the host.
+                self._finish(in_flight)
+                in_flight = None
             batch = self.scheduler.schedule()
             launched, failure = None, None
             if batch.entries:

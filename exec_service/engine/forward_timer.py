@@ -18,7 +18,7 @@ class ForwardTimer:
     def __init__(self, device: str, previous: "ForwardTimer | None" = None, device_idle: bool = True):
         self.cuda = device == "cuda"
         self.launch_ns = 0  # wall clock when the host launched the forward
-        self._previous = None if device_idle else previous
+        self._previous = previous if self.cuda and not device_idle else None  # the host clock needs no chain
         self._start_ns: int | None = None
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda \
             else None

@@ -32,11 +32,15 @@ class ExecTelemetry:
             self.step_observers.append(self.forward_spans)
         if metrics:
             self.step_observers.append(metrics)
-        if log_batchsize_interval() is not None:
-            self.step_observers.append(BatchSizeLog(self.forward_stats))
+        self.batch_size_log = BatchSizeLog(self.forward_stats) if log_batchsize_interval() is not None else None
+        if self.batch_size_log:
+            self.step_observers.append(self.batch_size_log)
         self.step_observers += extra_observers
 
     def close(self) -> None:
-        """Once serving stopped: the forward-span writer exports the last steps (bounded) and exits."""
+        """Once serving stopped: a report being written is finished, and the forward-span writer exports the last
+        steps (bounded) and exits."""
+        if self.batch_size_log:
+            self.batch_size_log.join()
         if self.forward_spans:
             self.forward_spans.close()

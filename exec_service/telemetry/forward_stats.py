@@ -38,13 +38,22 @@ class _Series:
         self.samples: deque[float] = deque(maxlen=SAMPLES_KEPT)
         self.runtime_mode = ""
 
+    def copy(self) -> "_Series":
+        """What the readers compute from, taken under the lock; the sorting happens outside it."""
+        taken = _Series()
+        taken.count, taken.total_ms, taken.runtime_mode = self.count, self.total_ms, self.runtime_mode
+        taken.samples = deque(self.samples)
+        return taken
+
 
 def _percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class ForwardStats:
-    """Thread-safe: the engine thread records, gRPC handlers and the logger read."""
+    """Thread-safe: the engine thread records, gRPC handlers and the logger read. A reader holds the lock only to
+    copy the series, never while it sorts their samples (tens of ms when every series is full), so a step's
+    ``record`` never waits for a GetForwardStats or a log line."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -66,20 +75,20 @@ class ForwardStats:
         """One row per (model, batch size, phase, path)."""
         with self._lock:
             keys = sorted(k for k in self._series if model in (None, "", k[0]))
-            out = [_stat(key, [self._series[key]]) for key in keys]
+            taken = [(key, self._series[key].copy()) for key in keys]
             if reset:
                 for key in keys:
                     del self._series[key]
-            return out
+        return [_stat(key, [series]) for key, series in taken]
 
     def by_phase(self, model: str | None = None) -> list[BatchSizeStat]:
         """One row per (model, batch size, phase), its paths merged: the vLLM-style log line's entries."""
+        merged: dict[tuple[str, int, str, str], list[_Series]] = defaultdict(list)
         with self._lock:
-            merged: dict[tuple[str, int, str, str], list[_Series]] = defaultdict(list)
             for key, series in self._series.items():
                 if model in (None, "", key[0]):
-                    merged[(*key[:3], "")].append(series)
-            return [_stat(key, merged[key]) for key in sorted(merged)]
+                    merged[(*key[:3], "")].append(series.copy())
+        return [_stat(key, merged[key]) for key in sorted(merged)]
 
 
 def _stat(key: tuple[str, int, str, str], series: list[_Series]) -> BatchSizeStat:
