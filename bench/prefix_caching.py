@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -80,20 +81,22 @@ async def multi_turn_chat(stub, model: str, args, vocab: int) -> dict:
 
 async def no_shared_prefixes(stub, model: str, args, vocab: int) -> dict:
     """(c): throughput where nothing is shared, so every lookup misses. A cost of a few percent is within one run's
-    noise, so it runs --repeats times, each with prompts of its own (a repeat of the same prompts would hit), and
-    reports the run of median throughput and every run's throughput."""
-    runs = []
+    noise, so it runs --repeats times, each with prompts of its own (a repeat of the same prompts would hit): the
+    median throughput and TTFT p50 of the runs, every run's throughput, the prompt tokens of all of them."""
+    throughputs, ttfts, duration, sent, cached = [], [], 0.0, 0, 0
     for repeat in range(args.repeats):
         rng = random.Random(args.seed + 2 + 1000 * repeat)
         prompts = [random_tokens(rng, vocab, rng.randint(args.min_prompt, args.max_prompt))
                    for _ in range(args.requests)]
-        timings, duration = await send_all(GrpcBackend(stub, model), prompts, args.output_len, [0.0] * len(prompts))
-        metrics = latency_metrics(timings, duration)
-        runs.append({"output_throughput": metrics["output_throughput"], "median_ttft_ms": metrics["median_ttft_ms"],
-                     "duration_s": duration,
-                     **computed_fraction(metrics["input_tokens"], sum(t.cached_tokens for t in timings))})
-    median = sorted(runs, key=lambda r: r["output_throughput"])[len(runs) // 2]
-    return median | {"runs_output_throughput": [r["output_throughput"] for r in runs]}
+        timings, seconds = await send_all(GrpcBackend(stub, model), prompts, args.output_len, [0.0] * len(prompts))
+        metrics = latency_metrics(timings, seconds)
+        throughputs.append(metrics["output_throughput"])
+        ttfts.append(metrics["median_ttft_ms"])
+        duration += seconds
+        sent += metrics["input_tokens"]
+        cached += sum(t.cached_tokens for t in timings)
+    return {"output_throughput": statistics.median(throughputs), "runs_output_throughput": throughputs,
+            "median_ttft_ms": statistics.median(ttfts), "duration_s": duration, **computed_fraction(sent, cached)}
 
 
 def computed_fraction(sent: int, cached: int) -> dict:
@@ -177,7 +180,7 @@ def print_tables(results: dict, args) -> None:
         print(f"| {mode} | {r['prompt_tokens_sent']} | {r['prompt_tokens_sent'] - r['prompt_tokens_cached']} | "
               f"{100 * r['computed_fraction']:.1f}% | {r['duration_s']:.1f} |")
     print(f"\n(c) {args.requests} requests of random tokens, prompts {args.min_prompt}-{args.max_prompt}, "
-          f"{args.output_len} output tokens, {args.repeats} runs each (the median run's figures)")
+          f"{args.output_len} output tokens, {args.repeats} runs each (medians)")
     print("| prefix caching | output tok/s | every run's tok/s | TTFT p50 ms | prompt tokens cached |")
     print("|---|---|---|---|---|")
     for mode, _ in MODES:

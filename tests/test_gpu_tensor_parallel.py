@@ -12,8 +12,6 @@ test_gpu_families.py.
 """
 
 import os
-import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,7 +20,7 @@ import torch
 from greedy_judge import assert_each_token_near_the_best
 from test_gpu_families import COMPARED, MAX_TOKENS, PROMPTS, gpu_model_dir
 from test_model_families import reference_attention
-from test_tensor_parallel import model_info, rank_pids
+from test_tensor_parallel import killed_mid_stream, model_info, rank_pids
 
 from protos import common_pb2, exec_pb2
 
@@ -82,25 +80,7 @@ def test_a_killed_gpu_rank_fails_the_model_and_a_reload_serves(gpu_stub, tmp_pat
     before = rank_pids()
     load(gpu_stub, name, tmp_path, "bfloat16", True, 2)
     (pid,) = rank_pids() - before
-    first_token = threading.Event()
-    outcome: dict = {}
-
-    def stream() -> None:
-        request = exec_pb2.GenerateRequest(model=name, prompt_ids=PROMPTS[0], max_tokens=400, temperature=0.0,
-                                           ignore_eos=True)
-        try:
-            for _ in gpu_stub.Generate(request, timeout=120):
-                first_token.set()
-        except grpc.RpcError as exc:
-            outcome["code"], outcome["details"] = exc.code(), exc.details()
-        first_token.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert first_token.wait(120)
-    os.kill(pid, signal.SIGKILL)
-    reader.join(120)
-    assert not reader.is_alive(), "the stream hung after its rank died"
+    outcome = killed_mid_stream(gpu_stub, name, PROMPTS[0], pid, 120)
     assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
     assert "rank 1 of 2" in outcome["details"], outcome
     listed = model_info(gpu_stub, name)

@@ -151,19 +151,17 @@ def test_bundle_for_two_ranks_refused_on_one(exec_stub, tp2_loaded):
     assert "tensor_parallel_size 2" in info.value.details()
 
 
-def test_killed_rank_fails_the_model_and_a_reload_serves(exec_stub, tp2_loaded):
-    before = rank_pids()
-    load_model(exec_stub, "tiny-tp2-killed", tensor_parallel_size=2)
-    (pid,) = rank_pids() - before
-    expected = greedy(exec_stub, "tiny", PROMPTS[0], max_tokens=400)
+def killed_mid_stream(stub, model: str, prompt: list[int], pid: int, timeout: float) -> dict:
+    """Kill rank process ``pid`` once a long greedy Generate of ``model`` has streamed its first token; what the
+    stream ended with (``code`` and ``details`` of its error, if any). The stream must not hang."""
     first_token = threading.Event()
     outcome: dict = {}
 
     def stream() -> None:
-        request = exec_pb2.GenerateRequest(model="tiny-tp2-killed", prompt_ids=PROMPTS[0], max_tokens=400,
-                                           temperature=0.0, ignore_eos=True)
+        request = exec_pb2.GenerateRequest(model=model, prompt_ids=prompt, max_tokens=400, temperature=0.0,
+                                           ignore_eos=True)
         try:
-            for _ in exec_stub.Generate(request, timeout=60):
+            for _ in stub.Generate(request, timeout=timeout):
                 first_token.set()
         except grpc.RpcError as exc:
             outcome["code"], outcome["details"] = exc.code(), exc.details()
@@ -171,10 +169,19 @@ def test_killed_rank_fails_the_model_and_a_reload_serves(exec_stub, tp2_loaded):
 
     reader = threading.Thread(target=stream)
     reader.start()
-    assert first_token.wait(60)
+    assert first_token.wait(timeout)
     os.kill(pid, signal.SIGKILL)
-    reader.join(60)
-    assert not reader.is_alive()
+    reader.join(timeout)
+    assert not reader.is_alive(), "the stream hung after its rank died"
+    return outcome
+
+
+def test_killed_rank_fails_the_model_and_a_reload_serves(exec_stub, tp2_loaded):
+    before = rank_pids()
+    load_model(exec_stub, "tiny-tp2-killed", tensor_parallel_size=2)
+    (pid,) = rank_pids() - before
+    expected = greedy(exec_stub, "tiny", PROMPTS[0], max_tokens=400)
+    outcome = killed_mid_stream(exec_stub, "tiny-tp2-killed", PROMPTS[0], pid, 60)
     assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
     assert "rank 1 of 2" in outcome["details"] and "-9" in outcome["details"]
     with pytest.raises(grpc.RpcError) as info:  # a new request hears the same at once
