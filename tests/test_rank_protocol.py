@@ -21,6 +21,7 @@ from kiln.errors import ResourceExhausted
 from kiln.step_record import StepPath
 
 TIMEOUT = datetime.timedelta(seconds=30)
+BOUNDS = step_broadcast.StepBounds(max_tokens=16, max_seqs=4, max_blocks_per_seq=4)  # the steps sent here fit
 
 
 def on_two_ranks(work):
@@ -80,8 +81,8 @@ def test_a_step_reaches_the_other_rank_with_its_path_and_size():
             step_broadcast.send_step(control, collective, ids, positions, metadata, StepPath.PIECEWISE_GRAPH, 8)
             step_broadcast.send_stop(control, TIMEOUT)
             return None
-        return step_broadcast.receive_step(control, collective, "cpu"), \
-            step_broadcast.receive_step(control, collective, "cpu")
+        return step_broadcast.receive_step(control, collective, "cpu", BOUNDS), \
+            step_broadcast.receive_step(control, collective, "cpu", BOUNDS)
 
     _, (step, stop) = on_two_ranks(work)
     assert stop is None
@@ -102,9 +103,26 @@ def test_every_path_crosses(path):
     def work(r, control, collective):
         if r == 0:
             return step_broadcast.send_step(control, collective, torch.tensor([9]), torch.tensor([0]), one, path, 1)
-        return step_broadcast.receive_step(control, collective, "cpu").path
+        return step_broadcast.receive_step(control, collective, "cpu", BOUNDS).path
 
     assert on_two_ranks(work)[1] == path
+
+
+@pytest.mark.parametrize("field, value", [(1, 17), (1, 10**12), (2, 3), (4, 5), (6, 5), (7, 0), (10, 9), (11, 2)])
+def test_a_header_past_the_models_bounds_is_refused_before_anything_is_allocated(field, value):
+    """The groups' store listens on loopback, where any local process may connect: a header that is not rank 0's
+    (more tokens than the step budget, 10^12 of them, lengths that disagree, an unknown path, a padded size below
+    the tokens) stops the rank before it allocates the payload."""
+    header = torch.tensor([step_broadcast.STEP, 4, 4, 3, 2, 2, 2, 2, 2, 1, 0, 8], dtype=torch.int64)
+    header[field] = value
+
+    def work(r, control, collective):
+        if r == 0:
+            return step_broadcast._broadcast(control, header)
+        with pytest.raises(ValueError, match="not rank 0's"):
+            step_broadcast.receive_step(control, collective, "cpu", BOUNDS)
+
+    on_two_ranks(work)
 
 
 def test_each_rank_sees_its_gpu_first_and_the_others_after(monkeypatch):
@@ -137,7 +155,7 @@ def test_a_full_graph_step_fills_the_other_ranks_graph_buffers_as_rank_0s():
         if r == 0:
             return step_broadcast.send_step(control, collective, inputs.input_ids, inputs.positions, inputs.metadata,
                                             StepPath.FULL_GRAPH, 4)
-        received = step_broadcast.receive_step(control, collective, "cpu")
+        received = step_broadcast.receive_step(control, collective, "cpu", BOUNDS)
         RankServing(forward=None, kv=None, buffers=receiver).into_graph_buffers(received)
         return received.padded_size
 

@@ -165,7 +165,9 @@ def _serve(shard: _Shard, spec: dict) -> None:
         serving = _start_serving(shard, control)
         del shard.scratch_kv
         log.info("rank %d: %d KV blocks; serving", shard.rank, serving.kv.caches[0].shape[1])
-        while (step := step_broadcast.receive_step(control, collective, config.device)) is not None:
+        bounds = step_broadcast.StepBounds(config.max_num_batched_tokens, config.max_num_seqs,
+                                           config.max_blocks_per_seq)
+        while (step := step_broadcast.receive_step(control, collective, config.device, bounds)) is not None:
             serving.run(step)
 
 

@@ -4,7 +4,9 @@ A fixed-size header (the command, every tensor's length, the step's path and pad
 then the tensors packed into one int64 payload over the collective group: on the CPU both are the one gloo group; on
 CUDA the header crosses gloo (host values) and the payload NCCL, where it is on the device already (rank 0 reads
 nothing back, so the step's launch does not wait for the one before it). Only tensors cross the groups, never a
-pickle: the groups' store listens on loopback, where any local process may connect.
+pickle: the groups' store listens on loopback, where any local process may connect. For the same reason a rank
+checks each header against the largest step the model's config allows (``StepBounds``) before it allocates the
+payload: a header past them is not rank 0's, and the rank stops (which loses the model) rather than allocate it.
 """
 
 import datetime
@@ -22,6 +24,15 @@ _PATHS = tuple(StepPath)  # a path crosses as its index
 _HEADER = 12
 # A rank waits for rank 0's next step for as long as the model is idle; a dead rank 0 ends the wait at once.
 IDLE_WAIT = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """The largest step of the model's EngineConfig: max_num_batched_tokens, max_num_seqs, max_blocks_per_seq."""
+
+    max_tokens: int
+    max_seqs: int
+    max_blocks_per_seq: int
 
 
 @dataclass
@@ -70,14 +81,16 @@ def send_stop(control: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
     _broadcast(control, header, timeout)
 
 
-def receive_step(control: dist.ProcessGroup, collective: dist.ProcessGroup, device: str) -> StepInputs | None:
-    """The other ranks: rank 0's next step, or None when it says stop."""
+def receive_step(control: dist.ProcessGroup, collective: dist.ProcessGroup, device: str,
+                 bounds: StepBounds) -> StepInputs | None:
+    """The other ranks: rank 0's next step, or None when it says stop. ValueError for a header past ``bounds``."""
     header = torch.zeros(_HEADER, dtype=torch.int64)
     _broadcast(control, header, IDLE_WAIT)
     (command, tokens, slots, starts, lens, rows, cols, max_query_len, num_seqs, num_decodes, path,
      padded_size) = header.tolist()
     if command == STOP:
         return None
+    _check(header.tolist(), bounds)
     payload = torch.empty(2 * tokens + slots + starts + lens + rows * cols, dtype=torch.int64, device=device)
     _broadcast(collective, payload)
     ids, positions, slot_mapping, query_start_loc, seq_lens, tables = payload.split(
@@ -85,3 +98,14 @@ def receive_step(control: dist.ProcessGroup, collective: dist.ProcessGroup, devi
     metadata = AttentionMetadata(slot_mapping, query_start_loc.int(), seq_lens.int(), tables.int().reshape(rows, cols),
                                  max_query_len, num_seqs, num_decodes)
     return StepInputs(ids, positions, metadata, _PATHS[path], padded_size)
+
+
+def _check(header: list[int], bounds: StepBounds) -> None:
+    command, tokens, slots, starts, lens, rows, cols, max_query_len, num_seqs, num_decodes, path, padded = header
+    b = bounds
+    fits = (command == STEP and 0 < tokens <= b.max_tokens and slots == tokens and 0 < lens <= b.max_seqs
+            and starts == lens + 1 and rows == lens and 0 < cols <= b.max_blocks_per_seq
+            and 0 < max_query_len <= tokens and 0 < num_seqs <= lens and 0 <= num_decodes <= num_seqs
+            and 0 <= path < len(_PATHS) and tokens <= padded <= max(b.max_tokens, b.max_seqs))
+    if not fits:
+        raise ValueError(f"a step header past the model's bounds {b} (not rank 0's): {header}")
