@@ -6,10 +6,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from conftest import TINY_CONFIG, TINY_MODEL, compile_result
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -179,6 +181,38 @@ def test_fresh_process_loads_without_dynamo_or_fx_and_matches_eager(compile_stor
     for n, (shape, maxdiff) in report["sizes"].items():
         assert shape == [int(n), 512]
         assert maxdiff < 1e-4, f"{n} tokens: logits differ by {maxdiff}"
+
+
+def test_piece_calls_route_this_threads_compiled_pieces_to_the_runner(compile_store, tiny_key, signing_dir):
+    """What piecewise CUDA graphs stand on (otherwise run on a GPU only): inside ``piece_calls`` every compiled piece
+    of this thread's forward goes through the runner, to the same result; another thread's forward meanwhile, and
+    this thread's after the block, do not."""
+    from kiln.compilation.piecewise import piece_calls
+    from kiln.model.causal_lm import build_model
+    from kiln.store.bundle import load_compiled
+    from kiln.store.signing import TrustedKeys
+
+    model = build_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=7)
+    fn = load_compiled(compile_store / tiny_key, tiny_key, TrustedKeys.load(signing_dir / "signing.pub"))
+    ids, positions = torch.randint(0, 512, (8,)), torch.arange(8)
+    calls = []
+
+    def runner(piece, args):
+        calls.append(threading.current_thread())
+        return piece.run(*args)
+
+    @torch.no_grad()
+    def forward():
+        return fn(model, ids, positions)
+
+    want = forward()
+    with piece_calls(runner), ThreadPoolExecutor(1) as pool:
+        got = forward()
+        other = pool.submit(forward).result()
+    after = forward()
+    assert len(calls) == 2 * model.config.num_hidden_layers and set(calls) == {threading.current_thread()}
+    for result in (got, other, after):
+        torch.testing.assert_close(result, want)
 
 
 def test_get_artifact_streams_the_files_in_bounded_chunks(compile_stub, compile_store, tiny_key, tmp_path,

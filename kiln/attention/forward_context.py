@@ -5,12 +5,12 @@ the step's block tables live here, owned by the runner for exactly the duration 
 """
 
 import functools
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+
+from kiln.thread_value import ThreadValue
 
 
 @dataclass
@@ -56,20 +56,14 @@ class ForwardContext:
 
 
 # Per thread: each model's engine steps in its own thread, and another model may profile or load meanwhile.
-_local = threading.local()
+_current: ThreadValue[ForwardContext] = ThreadValue()
 
 
-@contextmanager
-def forward_context(ctx: ForwardContext) -> Iterator[None]:
+def forward_context(ctx: ForwardContext) -> AbstractContextManager[None]:
     """Make ``ctx`` visible to the attention op for the duration of one forward."""
-    previous = getattr(_local, "current", None)
-    _local.current = ctx
-    try:
-        yield
-    finally:
-        _local.current = previous
+    return _current.set(ctx)
 
 
 def current_forward_context() -> ForwardContext | None:
     """The context of the forward in flight, or None outside the engine (plain causal attention)."""
-    return getattr(_local, "current", None)
+    return _current.get()

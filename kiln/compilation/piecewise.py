@@ -10,9 +10,8 @@ how the execute service captures and replays the pieces as piecewise CUDA graphs
 
 import hashlib
 import pickle
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch._dynamo.aot_compile_types import SerializableCallable
@@ -20,19 +19,15 @@ from torch._inductor.standalone_compile import AOTCompiledArtifact
 from torch.fx.graph_module import _format_import_block
 from torch.package import sys_importer
 
+from kiln.thread_value import ThreadValue
+
 PieceRunner = Callable[["CompiledPiece", tuple], object]  # (piece, args) -> what the piece returns
-_runners = threading.local()
+_runner: ThreadValue[PieceRunner] = ThreadValue()
 
 
-@contextmanager
-def piece_calls(runner: PieceRunner) -> Iterator[None]:
+def piece_calls(runner: PieceRunner) -> AbstractContextManager[None]:
     """Route every CompiledPiece call of this thread to ``runner`` while the block runs."""
-    previous = getattr(_runners, "current", None)
-    _runners.current = runner
-    try:
-        yield
-    finally:
-        _runners.current = previous
+    return _runner.set(runner)
 
 
 class CompiledPiece(torch.nn.Module):
@@ -51,7 +46,7 @@ class CompiledPiece(torch.nn.Module):
         return int(args[pos]) if dim is None else args[pos].shape[dim]
 
     def forward(self, *args):
-        runner = getattr(_runners, "current", None)
+        runner = _runner.get()
         if runner is not None:
             return runner(self, args)
         return self.run(*args)

@@ -11,9 +11,7 @@ service serves many models and joins no group; the op is opaque to Dynamo and In
 and the group is the one the calling thread set (``tensor_parallel_group``), per model, at run time.
 """
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from safetensors import safe_open
 
 from kiln.errors import InvalidArgument
 from kiln.model.merged_projections import GROUPS, ProjectionSlice
+from kiln.thread_value import ThreadValue
 
 TP_ALL_REDUCE_OP_NAME = "kiln::tp_all_reduce"
 MAX_TENSOR_PARALLEL_SIZE = 8  # the GPUs of one host
@@ -36,18 +35,12 @@ class TensorParallel:
     size: int
 
 
-_local = threading.local()  # per thread: each model's engine steps in its own thread
+_group: ThreadValue[torch.distributed.ProcessGroup] = ThreadValue()  # per thread: each model's engine has its own
 
 
-@contextmanager
-def tensor_parallel_group(group: torch.distributed.ProcessGroup) -> Iterator[None]:
+def tensor_parallel_group(group: torch.distributed.ProcessGroup) -> AbstractContextManager[None]:
     """Sum the shards' partial products over ``group`` in the forwards this thread runs inside the block."""
-    previous = getattr(_local, "group", None)
-    _local.group = group
-    try:
-        yield
-    finally:
-        _local.group = previous
+    return _group.set(group)
 
 
 @torch.library.custom_op(TP_ALL_REDUCE_OP_NAME, mutates_args=())
@@ -56,7 +49,7 @@ def tp_all_reduce(partial: torch.Tensor) -> torch.Tensor:
     inputs, and the execute service's memory profile and warm-ups, which each rank runs alone) the shard's own partial
     sum stands: those forwards are for shapes and first calls, not for values."""
     total = partial.clone()
-    group = getattr(_local, "group", None)
+    group = _group.get()
     if group is not None:
         group.allreduce([total]).wait()
     return total
