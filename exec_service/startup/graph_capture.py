@@ -77,11 +77,16 @@ def capture_graphs(forward: ModelForward, config: EngineConfig, resolved: Resolv
     pool = torch.cuda.graph_pool_handle()
     mixed_sizes = config.piecewise_capture_sizes
     with step(spans.KV_CACHE):
-        measured = (_graphs_bytes(decode_graphs(forward, (max(config.capture_sizes),), resolved, buffers, pool),
-                                  _DECODE, scratch_kv, scratch_scales),
-                    _graphs_bytes(mixed_graphs(forward, (max(mixed_sizes),), resolved, buffers, pool), _MIXED,
-                                  scratch_kv, scratch_scales) if mixed_sizes else 0)
+        # Both measures held until the cache is sized: the second cannot reuse the first's memory, so the sum bounds
+        # what both kinds hold in the pool.
+        probes = [decode_graphs(forward, (max(config.capture_sizes),), resolved, buffers, pool)]
+        if mixed_sizes:
+            probes.append(mixed_graphs(forward, (max(mixed_sizes),), resolved, buffers, pool))
+        for probe, kind in zip(probes, (_DECODE, _MIXED), strict=False):
+            _capture(probe, kind, scratch_kv, scratch_scales)
+        measured = (probes[0].captured_bytes, probes[1].captured_bytes if mixed_sizes else 0)
         kv = size_kv(sum(measured))
+        del probes
     mixed = None
     if mixed_sizes:
         with step(spans.MIXED_GRAPHS):
@@ -103,14 +108,6 @@ def _capture(graphs: CUDAGraphs, kind: tuple[str, str], kv_caches: list[torch.Te
     except torch.OutOfMemoryError as exc:
         raise ResourceExhausted(f"{field}: capturing {what} ran out of device memory ({first_line(exc)}); lower "
                                 f"{field} or gpu_memory_utilization") from exc
-
-
-def _graphs_bytes(probe: CUDAGraphs, kind: tuple[str, str], scratch_kv: list[torch.Tensor],
-                  scratch_scales: list[torch.Tensor] | None) -> int:
-    """Device memory the graphs of ``probe``'s kind will take: its one size (their largest) captured on the scratch
-    cache, then let go."""
-    _capture(probe, kind, scratch_kv, scratch_scales)
-    return probe.captured_bytes
 
 
 def decode_graphs(forward: ModelForward, sizes: tuple[int, ...], resolved: ResolvedModel, buffers: StepBuffers,
