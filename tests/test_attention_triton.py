@@ -5,6 +5,7 @@ runs the same kernels on CPU tensors (slowly; numpy < 2.4 for triton 3.6's inter
 ``TRITON_INTERPRET=1 python -m pytest -m gpu tests/test_attention_triton.py -k "small or window or softcap"``.
 """
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -292,8 +293,11 @@ def test_a_mixed_graph_replays_any_mix_of_rows_within_its_size():
     cases = [make_case(lens, queries, num_heads, num_kv_heads, head_dim, block_size, dtype) for lens, queries in mixes]
     graphs = [as_mixed_graph(case, tokens, rows) for case in cases]
     width = max(g.meta.block_tables.shape[1] for g in graphs)
-    static = graphs[0]
-    static.meta.block_tables = torch.zeros(rows, width, dtype=torch.int32, device=DEVICE)
+    first = graphs[0]  # the static step the graph reads: its own tensors, the tables at the widest
+    static = Case(first.q.clone(), first.k.clone(), first.v.clone(), first.kv_cache, dataclasses.replace(
+        first.meta, slot_mapping=first.meta.slot_mapping.clone(), query_start_loc=first.meta.query_start_loc.clone(),
+        seq_lens=first.meta.seq_lens.clone(),
+        block_tables=torch.zeros(rows, width, dtype=torch.int32, device=DEVICE)), first.scale)
     cache = torch.randn(2, max(g.kv_cache.shape[1] for g in graphs), block_size, num_kv_heads, head_dim, dtype=dtype,
                         device=DEVICE)
     stream = torch.cuda.Stream()
