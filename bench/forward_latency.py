@@ -155,7 +155,8 @@ def main() -> None:
         return compiled(model, ids, pos)
 
     buffers = StepBuffers(max(sizes), max(sizes), max_blocks, BLOCK_SIZE, vocab, "cuda")
-    graphs = {name: CUDAGraphs(fn, tuple(sizes), buffers, config.hidden_size, resolved.dtype, torch.device("cuda"))
+    graphs = {name: CUDAGraphs(fn, tuple(sizes), buffers, buffers.graph_metadata, config.hidden_size, resolved.dtype,
+                               torch.device("cuda"))
               for name, fn in (("kiln", compiled_forward), ("eager+graph", model))}
     for name, g in graphs.items():
         with expect_no_compile(f"capturing {name}"):
@@ -178,7 +179,7 @@ def main() -> None:
                 model.logits(compiled(model, ids, pos))
 
         def graphed(name, bs=bs):
-            return lambda: model.logits(graphs[name].replay(graphs[name].padded_size(bs, True))[:bs])
+            return lambda: model.logits(graphs[name].replay(graphs[name].padded_size(bs))[:bs])
 
         hf_ms = hf_forward_ms(model, bs, args.context, vocab)
         kv_read = bs * (args.context + 1) * spec.block_bytes // BLOCK_SIZE

@@ -2,9 +2,12 @@
 token counts, to find the FP8 product a decode-sized step should use (issue 24: FP8 decode is no faster than bf16):
 
 - ``torch._scaled_mm`` alone (input quantized beforehand), as Kiln's layers call it, and with ``use_fast_accum``;
-- the quantize and GEMM compiled (as in a Kiln layer, the quantize fused into one kernel), and eager;
-- a weight-only candidate for few tokens: the FP8 weight read once and widened to bf16 in registers, the activation
-  left in bf16 (no quantize), one Triton kernel (below), at the fastest of a few tile configs.
+- cuBLASLt's tensor-wise FP8 GEMM at unit scales, the row and token scales multiplied into its output after;
+- the quantize and GEMM compiled (as in a Kiln layer, the quantize fused into one kernel);
+- weight-only candidates for few tokens: the FP8 weight read once and widened to bf16 in registers, the activation
+  left in bf16 (no quantize), each at the fastest of a few tile configs: a dot with the tokens first, a dot with the
+  weight first ("swap A and B", optionally split over K with a reduce kernel after), and a GEMV without a dot for
+  up to 4 tokens.
 
 With TRITON_INTERPRET=1 and --check, it runs the candidate on the CPU against the dequantized product instead.
 
@@ -55,7 +58,7 @@ def _weight_only_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K: tl.constexpr,
 
 def weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: tuple) -> torch.Tensor:
     """x [M, K] (M <= MAX_WEIGHT_ONLY_TOKENS) times float8 ``weight`` [N, K] with row scales [N] -> [M, N]."""
-    block_n, block_k, num_warps, num_stages = config
+    block_n, block_k, num_warps, num_stages = config[0], config[1], config[-2], config[-1]
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -66,39 +69,175 @@ def weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, conf
     return out
 
 
+@triton.jit
+def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                    WIDE_F32: tl.constexpr):
+    """out.T[N, M] = (w[N, K] widened) @ x.T[K, M] * scale[N], over this program's 1/SPLIT_K of K: the weight is the
+    dot's first operand (widened in registers, BLOCK_N >= 64 rows for Hopper's wgmma), the few tokens its second
+    (vLLM's and CUTLASS's "swap A and B" for small M). SPLIT_K > 1 writes float32 partials [SPLIT_K, M, N]."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = split * k_per_split
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        ks = k0 + rk
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < K),
+                    other=0.0)
+        xt = tl.load(x_ptr + rm[None, :] * stride_xm + ks[:, None], mask=(rm[None, :] < M) & (ks[:, None] < K),
+                     other=0.0)
+        if WIDE_F32:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w.to(xt.dtype), xt, acc)
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    if SPLIT_K == 1:
+        scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+        out = (acc * scale[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], out, mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """out[m, n] = sum over the splits of part[s, m, n], times scale[n]."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
+    scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+    tl.store(out_ptr + m * stride_om + rn, (acc * scale).to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The same product for M <= BLOCK_M <= 4 tokens without a dot: products summed in float32 registers."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = split * k_per_split
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        ks = k0 + rk
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < K),
+                    other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=(rm[:, None] < M) & (ks[None, :] < K),
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], (acc * scale[None, :]).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+MAX_GEMV_TOKENS = 4
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+SWAP_AB_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 4, 3), (128, 128, 1, 8, 4),
+                   (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (128, 128, 4, 8, 3),
+                   (64, 128, 8, 4, 4))
+GEMV_CONFIGS = ((16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 1024, 1, 4, 2), (16, 512, 4, 4, 3), (32, 256, 4, 4, 3),
+                (16, 256, 8, 4, 4), (64, 128, 1, 4, 4), (32, 512, 2, 8, 3))
+
+
+def _launch_split(kernel, x, weight, scale, config, block_m, **constexprs) -> torch.Tensor:
+    block_n, block_k, split_k, num_warps, num_stages = config
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    kernel[(triton.cdiv(n, block_n), split_k)](
+        x, weight, scale, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **constexprs)
+    if split_k > 1:
+        _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](part, scale, out, m, n, out.stride(0), SPLIT_K=split_k,
+                                                          BLOCK=1024)
+    return out
+
+
+def swap_ab(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: tuple) -> torch.Tensor:
+    """x [M, K] (M <= MAX_WEIGHT_ONLY_TOKENS) times float8 ``weight`` [N, K] with row scales [N] -> [M, N]."""
+    return _launch_split(_swap_ab_kernel, x, weight, scale, config, max(16, triton.next_power_of_2(x.shape[0])),
+                         WIDE_F32=not x.is_cuda)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: tuple) -> torch.Tensor:
+    """The same for M <= MAX_GEMV_TOKENS."""
+    return _launch_split(_gemv_kernel, x, weight, scale, config, triton.next_power_of_2(x.shape[0]))
+
+
+def unit_scaled(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt's tensor-wise FP8 GEMM at unit scales, the row and token scales applied to its output after (the
+    multiply is one more elementwise op, which a compiled layer fuses into the next)."""
+    one = torch.ones((), device=xq.device)
+    return torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16) * x_scale * w_scale
+
+
+def best_of(fn, configs) -> tuple[float, tuple | None]:
+    """The fastest config's µs and the config; configs the GPU cannot run (shared memory) are skipped."""
+    timed = {}
+    for config in configs:
+        try:
+            timed[config] = us(lambda c=config: fn(c))
+        except triton.runtime.errors.OutOfResources:
+            continue
+    if not timed:
+        return float("inf"), None
+    config = min(timed, key=timed.get)
+    return timed[config], config
+
+
 def us(fn) -> float:
     from triton.testing import do_bench
 
-    return do_bench(fn, return_mode="median") * 1e3
+    return do_bench(fn, warmup=10, rep=30, return_mode="median") * 1e3
 
 
 def check() -> None:
-    """The candidate against the dequantized product, on whatever device the interpreter or CUDA gives."""
+    """The candidates against the dequantized product, on whatever device the interpreter or CUDA gives."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    for m, n, k in ((1, 48, 96), (5, 64, 300), (16, 40, 512), (33, 16, 64)):
+    for m, n, k in ((1, 48, 96), (3, 64, 300), (5, 64, 300), (16, 40, 512), (33, 16, 64)):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         q, scale = quantize_rows(torch.randn(n, k, device=device) * 0.02)
         want = x.float() @ (q.float() * scale[:, None]).t()
-        for config in CONFIGS[:2]:
-            got = weight_only(x, q, scale, config).float()
-            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2)
-    print("weight-only candidate: equal to the dequantized product within bf16 rounding")
+        candidates = [(weight_only, c) for c in CONFIGS[:2]] + [(swap_ab, c) for c in SWAP_AB_CONFIGS[::4]]
+        if m <= MAX_GEMV_TOKENS:
+            candidates += [(gemv, c) for c in GEMV_CONFIGS[::3]]
+        for fn, config in candidates:
+            got = fn(x, q, scale, config).float()
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, f=fn, c=config, shape=(m, n, k):
+                                       f"{f.__name__} {c} at {shape}: {e}")
+    print("weight-only candidates (dot, swap-AB, GEMV; split-K too): equal to the dequantized product within bf16 "
+          "rounding")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,32,2048")
-    p.add_argument("--check", action="store_true", help="check the candidate's values only (CPU: TRITON_INTERPRET=1)")
+    p.add_argument("--check", action="store_true", help="check the candidates' values only (CPU: TRITON_INTERPRET=1)")
     args = p.parse_args()
     if args.check:
         check()
         return
     compiled = torch.compile(fp8_linear, dynamic=False)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print("| tokens | GEMM | bf16 us | fp8 _scaled_mm us | fast accum us | fp8 compiled (quantize + GEMM) us "
-          "| fp8 eager us | weight-only Triton us (config) | bf16 / best fp8 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          "µs are triton.testing.do_bench medians (L2 flushed before each call)")
+    print("| tokens | GEMM | bf16 us | fp8 _scaled_mm us | fast accum us | tensor-wise, unit scales us "
+          "| fp8 compiled (quantize + GEMM) us | weight-only Triton us (config) | swap-AB us (config) "
+          "| GEMV us (config) | bf16 / best fp8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for tokens in map(int, args.tokens.split(",")):
         for name, n, k in GEMMS:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
@@ -111,15 +250,20 @@ def main() -> None:
                                                                              out_dtype=torch.bfloat16))
             fast = us(lambda a=xq, s=x_scale, q=q, t=w_scale: torch._scaled_mm(
                 a, q.t(), scale_a=s, scale_b=t, out_dtype=torch.bfloat16, use_fast_accum=True))
+            unit = us(lambda a=xq, s=x_scale, q=q, t=w_scale: unit_scaled(a, s, q, t))
             fused = us(lambda x=x, q=q, s=scale: compiled(x, q, s, None, None))
-            eager = us(lambda x=x, q=q, s=scale: fp8_linear(x, q, s, None, None))
-            candidate, best = "-", min(gemm, fast, fused)
-            if tokens <= MAX_WEIGHT_ONLY_TOKENS:
-                timed = {c: us(lambda x=x, q=q, s=scale, c=c: weight_only(x, q, s, c)) for c in CONFIGS}
-                config = min(timed, key=timed.get)
-                candidate, best = f"{timed[config]:.1f} {config}", min(best, timed[config])
-            print(f"| {tokens} | {name} | {bf16:.1f} | {gemm:.1f} | {fast:.1f} | {fused:.1f} | {eager:.1f} | "
-                  f"{candidate} | {bf16 / best:.2f}x |", flush=True)
+            cells, best = [], min(gemm, fast, unit, fused)
+            for fn, configs, most in ((weight_only, CONFIGS, MAX_WEIGHT_ONLY_TOKENS),
+                                      (swap_ab, SWAP_AB_CONFIGS, MAX_WEIGHT_ONLY_TOKENS),
+                                      (gemv, GEMV_CONFIGS, MAX_GEMV_TOKENS)):
+                if tokens > most:
+                    cells.append("-")
+                    continue
+                timed, config = best_of(lambda c, f=fn, x=x, q=q, s=scale: f(x, q, s, c), configs)
+                cells.append(f"{timed:.1f} {config}" if config else "none ran")
+                best = min(best, timed)
+            print(f"| {tokens} | {name} | {bf16:.1f} | {gemm:.1f} | {fast:.1f} | {unit:.1f} | {fused:.1f} | "
+                  f"{' | '.join(cells)} | {bf16 / best:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     layer_weight_bytes = weights_bytes(model.causal_lm.base_model.layers[0])
     buffers = StepBuffers(max(sizes), max(sizes), max_blocks, BLOCK_SIZE, config.vocab_size, "cuda")
-    graphs = CUDAGraphs(lambda ids, pos: compiled(model, ids, pos), tuple(sizes), buffers, config.hidden_size,
-                        resolved.dtype, torch.device("cuda"))
+    graphs = CUDAGraphs(lambda ids, pos: compiled(model, ids, pos), tuple(sizes), buffers, buffers.graph_metadata,
+                        config.hidden_size, resolved.dtype, torch.device("cuda"))
     with expect_no_compile("capturing"):
         graphs.capture(caches)
 
@@ -99,7 +99,7 @@ def main() -> None:
         meta = decode_metadata(bs, args.context, max_blocks)
         fill_step_buffers(buffers, torch.randint(0, config.vocab_size, (bs,), device="cuda"),
                           torch.full((bs,), args.context, dtype=torch.int64, device="cuda"), meta)
-        padded = graphs.padded_size(bs, True)
+        padded = graphs.padded_size(bs)
         kernels = profile_step(lambda padded=padded, bs=bs: model.logits(graphs.replay(padded)[:bs]), STEPS)
         per_layer, rest = layer_table(kernels, layers)
         kv_layer = bs * (args.context + 1) * spec.block_bytes // BLOCK_SIZE // layers

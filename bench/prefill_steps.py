@@ -1,5 +1,5 @@
 """Prefill and mixed steps of up to 512 tokens: the step's time against the sum of its own GPU kernels, replayed from
-piecewise CUDA graphs and launched from Python (the compiled layers), on one GPU.
+mixed CUDA graphs (the whole step, attention included) and launched from Python (the compiled layers), on one GPU.
 
 A step is host-bound when its time (CUDA events around the forward, as the engine's forward stats time it) is well
 over its kernels' sum (the profiler's CUDA kernel events): the GPU waits for launches. The target is at most 1.15x.
@@ -7,12 +7,19 @@ Steps: one sequence prefilling T tokens from scratch, and a mixed step of 16 dec
 with a prefill chunk of T - 16 tokens. Compiles the preset once (a compile service in this process, on loopback, fresh
 store), then loads the bundle as the execute service does (signature checked, no compile).
 
+With --host-profile, each step launched from Python is also run under cProfile, and the functions that hold the host
+longest (their own time) are printed: where a host-bound step's time goes.
+
 usage: python bench/prefill_steps.py [--preset llama-3-8b] [--tokens 32,64,128,256,384,512] [--json-out FILE]
+                                     [--host-profile]
 """
 
 import argparse
 import asyncio
+import cProfile
+import io
 import json
+import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -23,11 +30,11 @@ from forward_latency import BLOCK_SIZE, time_ms
 from layer_kernels import profile_step
 
 from exec_service.engine.engine_config import DEFAULT_PIECEWISE_CAPTURE_SIZES
-from exec_service.engine.graphs.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.kv import kv_cache
 from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.step_inputs import StepBuffers
-from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from exec_service.startup.graph_capture import mixed_graphs
+from kiln.attention.forward_context import AttentionMetadata
 from kiln.compilation.counters import expect_no_compile
 from kiln.model.causal_lm import build_model
 from kiln.model.spec import resolve
@@ -75,11 +82,44 @@ def step_metadata(tokens: int, mixed: bool, max_blocks: int) -> AttentionMetadat
         max_query_len=chunk, num_seqs=decodes + 1, num_decodes=decodes)
 
 
+def host_profile(fn, steps: int = 20, top: int = 25) -> str:
+    """The ``top`` functions by their own host time over ``steps`` calls of ``fn`` under cProfile (which slows small
+    functions more than large ones: a ranking, not a timing)."""
+    fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def fill_buffers(buffers: StepBuffers, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 padded: int) -> None:
+    """The step where the mixed graph of ``padded`` tokens reads it, padded as StepBuffers.prepare pads it (part of
+    the step's time, as the engine's upload is)."""
+    tokens, seqs, rows = ids.shape[0], meta.seq_lens.shape[0], buffers.mixed_rows(padded)
+    buffers.input_ids[:tokens] = ids
+    buffers.positions[:tokens] = positions
+    buffers.slot_mapping[:padded] = -1
+    buffers.slot_mapping[:tokens] = meta.slot_mapping
+    buffers.query_start_loc[:seqs + 1] = meta.query_start_loc
+    buffers.query_start_loc[seqs + 1:rows + 1] = tokens
+    buffers.seq_lens[:rows] = 0
+    buffers.seq_lens[:seqs] = meta.seq_lens
+    buffers.block_tables[:seqs, :meta.block_tables.shape[1]] = meta.block_tables
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--tokens", default="32,64,128,256,384,512")
     p.add_argument("--json-out", type=Path)
+    p.add_argument("--host-profile", action="store_true", help="cProfile each step launched from Python too")
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     spec = common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16")
@@ -101,11 +141,10 @@ def main() -> None:
         forward.compiled_forward(torch.zeros(tokens, dtype=torch.int64, device="cuda"),
                                  torch.arange(tokens, device="cuda"))
     compiled.skip_guard_checks()
-    graphs = PiecewiseGraphs(forward.compiled_forward, DEFAULT_PIECEWISE_CAPTURE_SIZES, buffers,
-                             [*model.parameters(), *model.buffers()], torch.cuda.graph_pool_handle())
+    graphs = mixed_graphs(forward, DEFAULT_PIECEWISE_CAPTURE_SIZES, resolved, buffers, torch.cuda.graph_pool_handle())
     with expect_no_compile("capturing"):
         graphs.capture(caches)
-    print(f"captured {graphs.num_graphs} piece graphs of {len(graphs.sizes)} sizes in {graphs.seconds:.2f} s, "
+    print(f"captured {len(graphs.graphs)} mixed graphs in {graphs.seconds:.2f} s, "
           f"{graphs.captured_bytes / 2**20:.0f} MiB", flush=True)
 
     rows = []
@@ -115,39 +154,33 @@ def main() -> None:
             ids = torch.randint(0, resolved.config.vocab_size, (tokens,), device="cuda")
             positions = torch.arange(tokens, device="cuda")
             padded = graphs.padded_size(tokens)
-            padded_ids = torch.zeros(padded, dtype=torch.int64, device="cuda")
-            padded_ids[:tokens] = ids
-            padded_positions = torch.zeros_like(padded_ids)
-            padded_positions[:tokens] = positions
-            padded_meta = AttentionMetadata(
-                torch.cat([meta.slot_mapping, torch.full((padded - tokens,), -1, device="cuda")]),
-                meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.max_query_len, meta.num_seqs,
-                meta.num_decodes)
 
-            def piecewise(padded=padded, padded_ids=padded_ids, padded_positions=padded_positions,
-                          padded_meta=padded_meta):
-                with forward_context(ForwardContext(caches, padded_meta)), graphs.replay(padded):
-                    forward.compiled_forward(padded_ids, padded_positions)
+            def graphed(padded=padded, ids=ids, positions=positions, meta=meta):
+                fill_buffers(buffers, ids, positions, meta, padded)
+                graphs.replay(padded)
 
             def launched(ids=ids, positions=positions, meta=meta):
                 forward(ids, positions, caches, meta)
 
             row = {"step": "mixed" if mixed else "prefill", "tokens": tokens, "padded": padded}
-            for name, fn in (("piecewise", piecewise), ("compiled", launched)):
+            for name, fn in (("graph", graphed), ("compiled", launched)):
                 kernels = profile_step(fn, 10)
                 row[f"{name}_ms"] = time_ms(fn)
                 row[f"{name}_kernels_ms"] = sum(us for _, us in kernels.values()) / 1e3
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.host_profile:
+                print(f"host profile, {row['step']} of {tokens} tokens launched from Python (20 steps):\n"
+                      f"{host_profile(launched)}", flush=True)
 
     print(f"\n{args.preset} bf16, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}: a prefill of T tokens, "
           f"and a mixed step of {DECODES} decodes ({CONTEXT} tokens of context) + a chunk of T - {DECODES}")
-    print("| step | T | padded | piecewise ms | its kernels ms | step/kernels | compiled (Python) ms | its kernels ms "
-          "| step/kernels |")
+    print("| step | T | padded | mixed graph ms | its kernels ms | step/kernels | compiled (Python) ms "
+          "| its kernels ms | step/kernels |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['step']} | {r['tokens']} | {r['padded']} | {r['piecewise_ms']:.2f} | "
-              f"{r['piecewise_kernels_ms']:.2f} | {r['piecewise_ms'] / r['piecewise_kernels_ms']:.2f}x | "
+        print(f"| {r['step']} | {r['tokens']} | {r['padded']} | {r['graph_ms']:.2f} | "
+              f"{r['graph_kernels_ms']:.2f} | {r['graph_ms'] / r['graph_kernels_ms']:.2f}x | "
               f"{r['compiled_ms']:.2f} | {r['compiled_kernels_ms']:.2f} | "
               f"{r['compiled_ms'] / r['compiled_kernels_ms']:.2f}x |")
     if args.json_out:

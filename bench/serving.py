@@ -335,7 +335,8 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
                                             max_model_len=args.max_prompt + args.output_len + 16,
                                             piecewise_capture_sizes=args.piecewise_capture_sizes,
                                             kv_cache_dtype=args.kv_cache_dtype,
-                                            tensor_parallel_size=args.tensor_parallel_size)
+                                            tensor_parallel_size=args.tensor_parallel_size,
+                                            enable_prefix_caching=prefix_caching(args))
         async with connect_aio(services.exec.address) as channel:
             stub = exec_pb2_grpc.ExecServiceStub(channel)
             print("LoadModel (bundle downloaded from the compile service):")
@@ -432,6 +433,12 @@ def write_rates(rates: list[dict], stem: Path, title: str) -> None:
     print(f"wrote {png_path}")
 
 
+def prefix_caching(args) -> bool:
+    """Off when asked, or when backends are compared: each backend sends the same prompts, so a later one would be
+    served from the prefix cache the earlier one filled."""
+    return not args.no_prefix_caching and len(args.backend) == 1
+
+
 def parse_rates(text: str) -> list[float]:
     return [float(r) for r in text.split(",")]
 
@@ -468,6 +475,8 @@ def main() -> None:
                         "api-server (started here in front of the execute service unless --api-url names one); "
                         "grpc,openai: both in turn, against the same loaded model")
     p.add_argument("--api-url", default="", help="with --backend openai: a running gateway, e.g. http://host:8000")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="load with prefix caching off (always, when --backend names two)")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
@@ -497,6 +506,8 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - the peer failing is a result to report, not a crash
             result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
     ranks = f", tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    if not args.exec_server:
+        ranks += f", prefix caching {'on' if prefix_caching(args) else 'off'}"
     workload = (f"{args.preset} {args.dtype}{ranks}, {args.requests} requests, prompts "
                 f"{args.min_prompt}-{args.max_prompt}, {args.output_len} output tokens each, greedy, "
                 f"{time.strftime('%Y-%m-%d')}")

@@ -2,7 +2,7 @@
 batch-size log) after the step's own sync. Plain values, so it pickles cheaply to the forward-span writer.
 
 ``runtime_mode`` is what LoadModel asked for (kiln.runtime_mode.RuntimeMode); ``path`` is how this step ran: a
-cudagraph model's decode step replays a full graph, its prefill of 200 tokens piecewise graphs, one of 4,000 tokens
+cudagraph model's decode step replays a decode graph, its prefill of 200 tokens a mixed graph, one of 4,000 tokens
 the compiled code.
 """
 
@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 
 class StepPath(enum.StrEnum):
-    FULL_GRAPH = "full_graph"  # a decode-only step replayed from a full-model CUDA graph
-    PIECEWISE_GRAPH = "piecewise_graph"  # piece graphs replayed, attention eager between them
+    FULL_GRAPH = "full_graph"  # a decode-only step replayed from a decode graph (of its batch size)
+    MIXED_GRAPH = "mixed_graph"  # a prefill or mixed step replayed from a mixed graph (of its token count)
     COMPILED = "compiled"  # the compiled layers launched from Python
     EAGER = "eager"  # the uncompiled model
 

@@ -84,7 +84,7 @@ def register(subparsers) -> None:
                    help="compute every prompt token; by default full KV blocks are reused by later prompts with the "
                         "same prefix (docs/prefix-caching.md)")
     p.add_argument("--piecewise-capture-sizes", type=int_list, default=[], metavar="N,N,...",
-                   help="token counts with piecewise CUDA graphs for prefill and mixed steps; 0 turns them off "
+                   help="token counts with mixed CUDA graphs (whole prefill and mixed steps); 0 turns them off "
                         "(default: 8 ... 512, up to the step token budget)")
     p.add_argument("--runtime-mode", type=RuntimeMode, choices=list(RuntimeMode), default=None,
                    help="how forwards run (default: cudagraph on CUDA, compiled on CPU)")

@@ -5,6 +5,7 @@ runs the same kernels on CPU tensors (slowly; numpy < 2.4 for triton 3.6's inter
 ``TRITON_INTERPRET=1 python -m pytest -m gpu tests/test_attention_triton.py -k "small or window or softcap"``.
 """
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -234,6 +235,96 @@ def test_float32_dots_follow_torchs_matmul_precision():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prefill_with_padding_rows(dtype):
     check(make_case([300, 41, 900], [300, 1, 77], 16, 4, 128, 16, dtype, padding_rows=5))
+
+
+def as_mixed_graph(case: Case, num_tokens: int, num_rows: int) -> Case:
+    """``case`` as a mixed CUDA graph of ``num_tokens`` tokens and ``num_rows`` rows runs it (StepBuffers.
+    mixed_graph_metadata): tokens past the step's in no sequence (slot -1), rows past its sequences with no query and
+    an empty context, the longest query bounded by the token count, both kinds of kernel over every row."""
+    meta, real = case.meta, case.q.shape[0]
+    pad, extra_rows = num_tokens - real, num_rows - meta.seq_lens.shape[0]
+
+    def grow(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, torch.randn(pad, *t.shape[1:], dtype=t.dtype, device=t.device)])
+
+    qkv = torch.cat([grow(case.q), grow(case.k), grow(case.v)], dim=1)
+    q, k, v = qkv.split([case.q.shape[1], case.k.shape[1], case.v.shape[1]], dim=1)
+    device = case.q.device
+    graph_meta = AttentionMetadata(
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1, device=device)]),
+        query_start_loc=torch.cat([meta.query_start_loc, meta.query_start_loc[-1:].expand(extra_rows)]),
+        seq_lens=torch.cat([meta.seq_lens, torch.zeros(extra_rows, dtype=torch.int32, device=device)]),
+        block_tables=torch.cat([meta.block_tables, torch.zeros(extra_rows, meta.block_tables.shape[1],
+                                                               dtype=torch.int32, device=device)]),
+        max_query_len=num_tokens, num_seqs=num_rows, any_rows=True)
+    return Case(q, k, v, case.kv_cache, graph_meta, case.scale, case.layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [0, 24])
+def test_a_mixed_graph_step_gives_the_steps_own_attention(dtype, window):
+    """Decodes first, a prefill, a one-token chunk between prefills, padded as a mixed graph pads it: the real rows
+    equal the unpadded step's, the padding tokens are zeros and write nothing."""
+    from kiln.attention import triton_kernels as attention_triton
+
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (numpy has no bfloat16); the GPU runs these")
+    case = make_case([40, 9, 70, 33, 5], [1, 1, 30, 1, 5], 8, 2, 64, 16, dtype, window=window)
+    real = case.q.shape[0]
+    ref_cache = case.kv_cache.clone()
+    ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale, **case.layer)
+    graph = as_mixed_graph(case, 48, 12)
+    out = attention_triton.paged_attention(graph.q, graph.k, graph.v, graph.kv_cache, graph.meta, graph.scale,
+                                           **graph.layer)
+    torch.testing.assert_close(graph.kv_cache, ref_cache, rtol=0, atol=0, equal_nan=True)
+    assert not out[real:].any()
+    assert relative_error(out[:real], ref) < TOLERANCE[dtype]
+
+
+@needs_cuda
+def test_a_mixed_graph_replays_any_mix_of_rows_within_its_size():
+    """One capture at 48 tokens and 12 rows, replayed with other mixes: all decodes, one long prefill, decodes and
+    chunks, fewer rows; each equal to the reference on its own unpadded metadata."""
+    from kiln.attention import triton_kernels as attention_triton
+
+    tokens, rows, num_heads, num_kv_heads, head_dim, block_size, dtype = 48, 12, 16, 4, 128, 16, torch.bfloat16
+    mixes = [([40, 9, 70, 33, 5], [1, 1, 30, 1, 5]), ([300] * 12, [1] * 12), ([48], [48]),
+             ([900, 17, 64], [1, 17, 30]), ([3, 1000, 2000, 1], [3, 20, 1, 1])]
+    cases = [make_case(lens, queries, num_heads, num_kv_heads, head_dim, block_size, dtype) for lens, queries in mixes]
+    graphs = [as_mixed_graph(case, tokens, rows) for case in cases]
+    width = max(g.meta.block_tables.shape[1] for g in graphs)
+    first = graphs[0]  # the static step the graph reads: its own tensors, the tables at the widest
+    static = Case(first.q.clone(), first.k.clone(), first.v.clone(), first.kv_cache, dataclasses.replace(
+        first.meta, slot_mapping=first.meta.slot_mapping.clone(), query_start_loc=first.meta.query_start_loc.clone(),
+        seq_lens=first.meta.seq_lens.clone(),
+        block_tables=torch.zeros(rows, width, dtype=torch.int32, device=DEVICE)), first.scale)
+    cache = torch.randn(2, max(g.kv_cache.shape[1] for g in graphs), block_size, num_kv_heads, head_dim, dtype=dtype,
+                        device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention_triton.paged_attention(static.q, static.k, static.v, cache.clone(), static.meta, static.scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_triton.paged_attention(static.q, static.k, static.v, cache, static.meta, static.scale)
+    for case, padded in zip(cases, graphs, strict=True):
+        meta = static.meta
+        for name in ("slot_mapping", "query_start_loc", "seq_lens"):
+            getattr(meta, name).copy_(getattr(padded.meta, name))
+        meta.block_tables.zero_()
+        meta.block_tables[:, :padded.meta.block_tables.shape[1]] = padded.meta.block_tables
+        for mine, theirs in ((static.q, padded.q), (static.k, padded.k), (static.v, padded.v)):
+            mine.copy_(theirs)
+        cache[:, :padded.kv_cache.shape[1]] = padded.kv_cache
+        ref_cache = cache.clone()
+        real = case.q.shape[0]
+        ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(cache, ref_cache)
+        assert torch.isfinite(out).all() and not out[real:].any()
+        assert relative_error(out[:real], ref) < TOLERANCE[dtype]
 
 
 def test_write_kv_skips_padding_slots():

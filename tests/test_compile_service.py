@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -41,7 +40,6 @@ def test_split_gives_a_piece_pair_per_kind_of_layer(tiny_compiles):
 def test_a_layer_runs_one_gemm_per_projection_group():
     """q/k/v and gate/up hold one weight each (kiln.model.merged_projections); in the graph Dynamo traces for a layer,
     each group's slices are one product after the compile service's pass: 7 linear calls become 4."""
-    import torch
 
     from compile_service.pipeline import _layer_examples
     from kiln.compilation.config import CompileConfig
@@ -181,38 +179,6 @@ def test_fresh_process_loads_without_dynamo_or_fx_and_matches_eager(compile_stor
     for n, (shape, maxdiff) in report["sizes"].items():
         assert shape == [int(n), 512]
         assert maxdiff < 1e-4, f"{n} tokens: logits differ by {maxdiff}"
-
-
-def test_piece_calls_route_this_threads_compiled_pieces_to_the_runner(compile_store, tiny_key, signing_dir):
-    """What piecewise CUDA graphs stand on (otherwise run on a GPU only): inside ``piece_calls`` every compiled piece
-    of this thread's forward goes through the runner, to the same result; another thread's forward meanwhile, and
-    this thread's after the block, do not."""
-    from kiln.compilation.piecewise import piece_calls
-    from kiln.model.causal_lm import build_model
-    from kiln.store.bundle import load_compiled
-    from kiln.store.signing import TrustedKeys
-
-    model = build_model(resolve(TINY_MODEL, "cpu"), "cpu", seed=7)
-    fn = load_compiled(compile_store / tiny_key, tiny_key, TrustedKeys.load(signing_dir / "signing.pub"))
-    ids, positions = torch.randint(0, 512, (8,)), torch.arange(8)
-    calls = []
-
-    def runner(piece, args):
-        calls.append(threading.current_thread())
-        return piece.run(*args)
-
-    @torch.no_grad()
-    def forward():
-        return fn(model, ids, positions)
-
-    want = forward()
-    with piece_calls(runner), ThreadPoolExecutor(1) as pool:
-        got = forward()
-        other = pool.submit(forward).result()
-    after = forward()
-    assert len(calls) == 2 * model.config.num_hidden_layers and set(calls) == {threading.current_thread()}
-    for result in (got, other, after):
-        torch.testing.assert_close(result, want)
 
 
 def test_get_artifact_streams_the_files_in_bounded_chunks(compile_stub, compile_store, tiny_key, tmp_path,

@@ -1,7 +1,7 @@
 """On a CUDA device, every supported family through the real servers, compiled and replayed in CUDA graphs, judged
 token by token by transformers' float32 model: in bfloat16 for every family, in float32 for the families whose
-windows and caps differ most (all layers local; local and global; capped). Prefill and mixed steps replay piecewise
-graphs, and give the same tokens as the same model with piecewise graphs off.
+windows and caps differ most (all layers local; local and global; capped). Prefill and mixed steps replay mixed
+graphs, and give the same tokens as the same model with mixed graphs off.
 
 Each family's tiny model of tests/test_model_families.py, scaled to GPU shapes (hidden 256; Gemma's head_dim 256
 with its caps, Phi-3's 96), saved with ``save_pretrained`` and loaded from that directory. The Triton kernels then
@@ -89,7 +89,7 @@ def test_family_cuda_graphs_follow_transformers(gpu_stub, tmp_path, model_type, 
             assert len(got) == MAX_TOKENS
             assert_each_token_near_the_best(served, prompt, got, COMPARED)
         stats = gpu_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=name)).stats
-        assert {"full_graph", "piecewise_graph"} <= {s.path for s in stats}
+        assert {"full_graph", "mixed_graph"} <= {s.path for s in stats}
     finally:
         gpu_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
     load(f"{name}-no-piecewise", [0])

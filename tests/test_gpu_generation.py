@@ -119,8 +119,8 @@ def test_graph_replay_equals_compiled_without_graphs(gpu_servers):
     stats = stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="small-graphed")).stats
     assert {s.runtime_mode for s in stats} == {"cudagraph"}
     paths = {(s.phase, s.path) for s in stats}
-    assert {("prefill", "piecewise_graph"), ("decode", "full_graph")} <= paths
-    assert {path for _, path in paths} == {"piecewise_graph", "full_graph"}
+    assert {("prefill", "mixed_graph"), ("decode", "full_graph")} <= paths
+    assert {path for _, path in paths} == {"mixed_graph", "full_graph"}
 
 
 def _streams(stub, gpu_steps, model: str, piecewise_capture_sizes: list[int]) -> tuple[list, set[str]]:
@@ -148,9 +148,9 @@ def _streams(stub, gpu_steps, model: str, piecewise_capture_sizes: list[int]) ->
 def test_concurrent_streams_with_cuda_graphs_equal_each_request_run_alone(gpu_servers, gpu_steps):
     """tests/test_engine.py's 64-stream harness on the GPU (greedy and seeded, cancelled, preempted, prefilled in
     chunks): CUDA graphs, Triton kernels, pinned step buffers and the overlapped engine; float32, so batch
-    composition cannot flip a greedy choice. With piecewise graphs on and off, token for token the same."""
+    composition cannot flip a greedy choice. With mixed graphs on and off, token for token the same."""
     piecewise, paths = _streams(gpu_servers, gpu_steps, "small-streams", [])
-    assert paths == {"full_graph", "piecewise_graph"}  # every step within 64 tokens: nothing left to Python
+    assert paths == {"full_graph", "mixed_graph"}  # every step within 64 tokens: nothing left to Python
     without, paths = _streams(gpu_servers, gpu_steps, "small-streams-no-piecewise", [0])
     assert paths == {"full_graph", "compiled"}
     assert piecewise == without

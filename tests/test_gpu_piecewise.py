@@ -109,7 +109,7 @@ def test_a_padded_step_writes_the_kv_of_its_real_tokens_only(piecewise_servers):
             first = len(steps)
             tokens[sizes[0]] = _prefill_once(started.engine, prompt)
             (step,) = steps[first:]
-            assert (step.path, step.padded_size) == (("piecewise_graph", 48) if sizes[0] else ("compiled", 37))
+            assert (step.path, step.padded_size) == (("mixed_graph", 48) if sizes[0] else ("compiled", 37))
             written[sizes[0]] = _written_slots(started.engine.runner.kv_cache.caches)
         finally:
             started.engine.stop()
@@ -181,7 +181,7 @@ def test_nothing_compiles_builds_or_autotunes_after_ready(piecewise_servers):
         stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
     after = (compile_counts(), _triton_builds(), _triton_cache_files(), _autotunings())
     served = [s for s in steps[first:] if s.model == name]
-    assert {"full_graph", "piecewise_graph", "compiled"} <= {s.path for s in served}
+    assert {"full_graph", "mixed_graph", "compiled"} <= {s.path for s in served}
     assert {"prefill", "decode", "mixed"} <= {s.phase for s in served}
     assert after[0] == before[0], "Dynamo or Inductor compiled after ready"
     assert after[1] == before[1], f"Triton built Kiln kernels after ready: {sorted(after[1] - before[1])}"

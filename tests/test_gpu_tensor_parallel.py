@@ -64,7 +64,7 @@ def test_two_gpus_follow_transformers(gpu_stub, tmp_path, model_type, graphs):
         outputs = generate_all(gpu_stub, name)
         stats = gpu_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=name)).stats
         paths = {s.path for s in stats}
-        assert paths >= {"full_graph", "piecewise_graph"} if graphs else paths == {"compiled"}
+        assert paths >= {"full_graph", "mixed_graph"} if graphs else paths == {"compiled"}
     finally:
         gpu_stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
     attention = reference_attention(AutoConfig.from_pretrained(tmp_path))

@@ -78,7 +78,7 @@ def test_a_step_reaches_the_other_rank_with_its_path_and_size():
 
     def work(r, control, collective):
         if r == 0:
-            step_broadcast.send_step(control, collective, ids, positions, metadata, StepPath.PIECEWISE_GRAPH, 8)
+            step_broadcast.send_step(control, collective, ids, positions, metadata, StepPath.MIXED_GRAPH, 8)
             step_broadcast.send_stop(control, TIMEOUT)
             return None
         return step_broadcast.receive_step(control, collective, "cpu", BOUNDS), \
@@ -86,7 +86,7 @@ def test_a_step_reaches_the_other_rank_with_its_path_and_size():
 
     _, (step, stop) = on_two_ranks(work)
     assert stop is None
-    assert (step.path, step.padded_size) == (StepPath.PIECEWISE_GRAPH, 8)
+    assert (step.path, step.padded_size) == (StepPath.MIXED_GRAPH, 8)
     assert step.input_ids.tolist() == ids.tolist() and step.positions.tolist() == positions.tolist()
     got = step.metadata
     for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):

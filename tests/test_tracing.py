@@ -276,7 +276,7 @@ def steps(n: int, request_ids: list[str]) -> list[StepRecord]:
     """n steps as the engine records them, of increasing forward time (1, 2, ... ms), 10 ms apart."""
     base = time.time_ns()
     return [StepRecord(model="tiny-llama", batch_size=2, num_tokens=9, padded_size=16, runtime_mode="cudagraph",
-                       path="piecewise_graph", phase="mixed", start_ns=base + i * 10_000_000,
+                       path="mixed_graph", phase="mixed", start_ns=base + i * 10_000_000,
                        end_ns=base + i * 10_000_000 + (i + 1) * 1_000_000, request_ids=tuple(request_ids))
             for i in range(n)]
 
@@ -296,7 +296,7 @@ def test_forward_span_per_step_with_gpu_times_attributes_and_links(sdk):
         assert (span.start_time, span.end_time) == (record.start_ns, record.end_ns)
         assert dict(span.attributes) == {
             spans.MODEL: "tiny-llama", spans.BATCH_SIZE: 2, spans.NUM_TOKENS: 9, spans.PADDED_SIZE: 16,
-            spans.RUNTIME_MODE: "cudagraph", spans.PHASE: "mixed", spans.PATH: "piecewise_graph"}
+            spans.RUNTIME_MODE: "cudagraph", spans.PHASE: "mixed", spans.PATH: "mixed_graph"}
         assert [link.context for link in span.links] == [contexts["b"], contexts["a"]]
         assert span.parent.span_id == contexts["b"].span_id  # the oldest request it served
         assert span.context.trace_id == contexts["b"].trace_id
@@ -322,7 +322,7 @@ def test_unsampled_steps_get_the_histogram_but_no_span(sdk):
     (point,) = metric.data.data_points
     assert metric.unit == "ms" and point.count == 8
     assert dict(point.attributes) == {spans.BATCH_SIZE: 2, spans.RUNTIME_MODE: "cudagraph", spans.PHASE: "mixed",
-                                      spans.PATH: "piecewise_graph"}
+                                      spans.PATH: "mixed_graph"}
     assert point.sum == pytest.approx(sum(range(1, 9)))  # step i lasts i + 1 ms
 
 
@@ -359,7 +359,7 @@ def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
     stats = ForwardStats()
     for ms in (6.0, 7.0, 6.5):
         stats.record("tiny-llama", 1, ms, "cudagraph", "decode", "full_graph")
-    stats.record("tiny-llama", 1, 20.0, "cudagraph", "prefill", "piecewise_graph")
+    stats.record("tiny-llama", 1, 20.0, "cudagraph", "prefill", "mixed_graph")
     stats.record("tiny-llama", 1, 40.0, "cudagraph", "prefill", "compiled")
     stats.record("tiny-llama", 32, 7.51, "cudagraph", "decode", "full_graph")
     stats.record("other", 4, 3.0, "eager", "decode", "eager")
@@ -383,7 +383,7 @@ def test_batch_size_log_reports_the_table_as_line_and_span(sdk, caplog):
     snapshot = stats.snapshot()
     by_model = {m: [s for s in snapshot if s.model == m] for m in ("other", "tiny-llama")}
     assert [(s.batch_size, s.phase, s.path) for s in by_model["tiny-llama"]] == [
-        (1, "decode", "full_graph"), (1, "prefill", "compiled"), (1, "prefill", "piecewise_graph"),
+        (1, "decode", "full_graph"), (1, "prefill", "compiled"), (1, "prefill", "mixed_graph"),
         (32, "decode", "full_graph")]
     emitted = {s.attributes[spans.MODEL]: s for s in out.get_finished_spans()}
     assert set(emitted) == {"other", "tiny-llama"}

@@ -137,7 +137,7 @@ def default_capture_sizes(largest_batch: int) -> tuple[int, ...]:
 
 def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMode,
                             max_num_batched_tokens: int) -> tuple[int, ...]:
-    """The token counts with piecewise graphs: the defaults up to the step budget in cudagraph mode, () when off."""
+    """The token counts with mixed graphs: the defaults up to the step budget in cudagraph mode, () when off."""
     sizes = list(request.piecewise_capture_sizes)
     if not sizes:
         if mode != RuntimeMode.CUDAGRAPH:
@@ -148,7 +148,7 @@ def piecewise_capture_sizes(request: exec_pb2.LoadModelRequest, mode: RuntimeMod
     for size in sizes:
         if size < 1:
             raise InvalidArgument(f"piecewise_capture_sizes: {size} is not a positive token count ([0] alone turns "
-                                  f"piecewise graphs off)")
+                                  f"mixed graphs off)")
     if max(sizes) > max_num_batched_tokens:
         raise InvalidArgument(f"piecewise_capture_sizes: {max(sizes)} exceeds max_num_batched_tokens "
                               f"{max_num_batched_tokens}")

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from kiln.runtime_mode import RuntimeMode
 
-# Token counts of the piecewise CUDA graphs when LoadModel names none (those up to the step token budget): dense
+# Token counts of the mixed CUDA graphs when LoadModel names none (those up to the step token budget): dense
 # where steps are short, 64 apart towards 512, where a padded token costs more.
 DEFAULT_PIECEWISE_CAPTURE_SIZES = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -25,7 +25,7 @@ class EngineConfig:
     kv_cache_dtype: str = ""  # "fp8_e4m3", or empty: the model's dtype (exec_service.engine.kv.kv_cache)
     kv_cache_scale: float = 1.0  # an FP8 cache's scale, every layer and head
     enable_prefix_caching: bool = True  # full KV blocks known by content and reused by later prompts
-    # Piecewise graphs: token counts of prefill and mixed steps, () for none (complete: defaults filled in at the edge).
+    # Mixed graphs: token counts of prefill and mixed steps, () for none (complete: defaults filled in at the edge).
     piecewise_capture_sizes: tuple[int, ...] = ()
     tensor_parallel_size: int = 1  # ranks, one process each; rank 0 (this process) schedules
 

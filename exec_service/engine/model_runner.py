@@ -1,8 +1,8 @@
 """The model on its device, ready to serve: one forward per step, through the path that fits the step.
 
 Startup (exec_service.startup) builds every part and hands them over finished; the engine calls ``execute`` once a
-step. A decode-only step replays a full CUDA graph, a prefill or mixed step of up to the largest piecewise size
-replays piece graphs, anything else runs the compiled layers (or the eager model). No step may run Dynamo or
+step. A decode-only step replays a decode graph, a prefill or mixed step of up to the largest mixed graph's tokens
+replays that graph, anything else runs the compiled layers (or the eager model). No step may run Dynamo or
 Inductor.
 """
 
@@ -15,14 +15,12 @@ import torch
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.forward_timer import ForwardTimer
 from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
-from exec_service.engine.graphs.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.sampler import SampledLogprobs, logprobs, sample
 from exec_service.engine.sampling_options import sampling_options
 from exec_service.engine.scheduler import ScheduledBatch
 from exec_service.engine.sequence import Sequence
 from exec_service.engine.step_inputs import StepBuffers
-from kiln.attention.forward_context import ForwardContext, forward_context
 from kiln.step_record import StepPath
 
 log = logging.getLogger(__name__)
@@ -72,14 +70,14 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, forward: ModelForward, kv_cache: KVCache, buffers: StepBuffers,
-                 full_graphs: CUDAGraphs | None = None, piecewise_graphs: PiecewiseGraphs | None = None):
+                 full_graphs: CUDAGraphs | None = None, mixed_graphs: CUDAGraphs | None = None):
         self.config = config
         self.device = config.device
         self.forward = forward
         self.kv_cache = kv_cache
         self.buffers = buffers
         self.full_graphs = full_graphs
-        self.piecewise_graphs = piecewise_graphs
+        self.mixed_graphs = mixed_graphs
         # Recorded after each step's copy of its sampled ids, one per host set of the buffers.
         self._ready = [torch.cuda.Event(blocking=True) for _ in range(2)] if self.device == "cuda" else None
 
@@ -96,14 +94,14 @@ class ModelRunner:
 
     def path_of(self, batch: ScheduledBatch) -> tuple[StepPath, int | None]:
         """How ``batch`` runs, and the graph size it is padded to (None: no graph)."""
-        if self.full_graphs is not None:
-            padded = self.full_graphs.padded_size(batch.num_seqs, batch.is_decode_only)
+        if self.full_graphs is not None and batch.is_decode_only:
+            padded = self.full_graphs.padded_size(batch.num_seqs)
             if padded is not None:
                 return StepPath.FULL_GRAPH, padded
-        if self.piecewise_graphs is not None:
-            padded = self.piecewise_graphs.padded_size(batch.num_tokens)
+        if self.mixed_graphs is not None:
+            padded = self.mixed_graphs.padded_size(batch.num_tokens)
             if padded is not None:
-                return StepPath.PIECEWISE_GRAPH, padded
+                return StepPath.MIXED_GRAPH, padded
         return (StepPath.EAGER if self.forward.compiled is None else StepPath.COMPILED), None
 
     @torch.no_grad()
@@ -115,7 +113,7 @@ class ModelRunner:
         path, padded = self.path_of(batch)
         inputs, parity = self.buffers.prepare(
             batch, padded if path == StepPath.FULL_GRAPH else None, previous.sampled if previous else None,
-            previous.rows if previous else None, padded_tokens=padded if path == StepPath.PIECEWISE_GRAPH else None)
+            previous.rows if previous else None, padded_tokens=padded if path == StepPath.MIXED_GRAPH else None)
         self.forward.begin_step(inputs.input_ids, inputs.positions, inputs.metadata, path,
                                 padded or inputs.num_tokens)
         timer = ForwardTimer(self.device, previous.timer if previous else None,
@@ -123,10 +121,8 @@ class ModelRunner:
         with timer:
             if path == StepPath.FULL_GRAPH:
                 hidden = self.full_graphs.replay(padded)
-            elif path == StepPath.PIECEWISE_GRAPH:
-                with forward_context(ForwardContext(self.kv_cache.caches, inputs.metadata, self.kv_cache.scales)), \
-                        self.piecewise_graphs.replay(padded):
-                    hidden = self.forward.compiled_forward(inputs.input_ids, inputs.positions)
+            elif path == StepPath.MIXED_GRAPH:
+                hidden = self.mixed_graphs.replay(padded)
             else:
                 hidden = self.forward(inputs.input_ids, inputs.positions, self.kv_cache.caches, inputs.metadata,
                                       self.kv_cache.scales)

@@ -116,9 +116,13 @@ def pad_seqs(step: HostStep, num_seqs: int) -> None:
     step.seq_lens += [0] * pad
 
 
-def pad_tokens(step: HostStep, num_tokens: int) -> None:
-    """Token rows up to a piecewise graph's ``num_tokens``: in no sequence, so they write no KV and read none."""
+def pad_rows(step: HostStep, num_tokens: int, num_seqs: int) -> None:
+    """Tokens up to a mixed graph's ``num_tokens``, in no sequence, so they write no KV and read none; and sequence
+    rows up to its ``num_seqs``, with no query token and an empty context, so every kernel passes them by."""
     _pad_token_rows(step, num_tokens - step.num_tokens)
+    pad = num_seqs - step.num_seqs
+    step.query_start_loc += [step.num_tokens] * pad
+    step.seq_lens += [0] * pad
 
 
 def _pad_token_rows(step: HostStep, pad: int) -> None:
@@ -197,15 +201,18 @@ class StepBuffers:
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1, num_seqs=size)
 
-    def piecewise_capture_metadata(self, num_tokens: int) -> AttentionMetadata:
-        """What the eager attention between piece graphs runs on while they are captured at ``num_tokens``: one
-        prefill of that many tokens that writes no KV (slots -1) and reads block 0 (the block tables are zeros)."""
+    def mixed_rows(self, num_tokens: int) -> int:
+        """The sequence rows of a mixed graph of ``num_tokens``: as many as such a step can hold."""
+        return min(num_tokens, self.max_seqs)
+
+    def mixed_graph_metadata(self, num_tokens: int) -> AttentionMetadata:
+        """The metadata a mixed graph of ``num_tokens`` is captured with: views of the device buffers, every row
+        (``mixed_rows``) for either kernel, the longest query bounded by the token count."""
+        rows = self.mixed_rows(num_tokens)
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens],
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, -(-num_tokens // self.block_size), dtype=torch.int32, device=self.device),
-            max_query_len=num_tokens, num_seqs=1)
+            slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc[:rows + 1],
+            seq_lens=self.seq_lens[:rows], block_tables=self.block_tables[:rows], max_query_len=num_tokens,
+            num_seqs=rows, any_rows=True)
 
     def prepare(self, batch: ScheduledBatch, padded_seqs: int | None = None,
                 previous_sampled: torch.Tensor | None = None,
@@ -213,15 +220,16 @@ class StepBuffers:
                 padded_tokens: int | None = None) -> tuple[StepInputs, int]:
         """Fill this step's host set, queue its copies and the gather of input tokens from ``previous_sampled``.
 
-        ``padded_seqs``: the full CUDA graph's size to pad decode rows to; ``padded_tokens``: the piecewise graph's
-        size to pad tokens to. ``previous_rows``: each sequence's row in ``previous_sampled``. Returns the inputs
-        and the parity of the host set used (the sampled ids come back into ``sampled_host[parity]``).
+        ``padded_seqs``: the decode graph's size to pad decode rows to; ``padded_tokens``: the mixed graph's size
+        to pad tokens (and sequence rows, ``mixed_rows``) to. ``previous_rows``: each sequence's row in
+        ``previous_sampled``. Returns the inputs and the parity of the host set used (the sampled ids come back into
+        ``sampled_host[parity]``).
         """
         step = flatten(batch, self.block_size, self.vocab_size, previous_rows)
         if padded_seqs is not None:
             pad_seqs(step, padded_seqs)
         if padded_tokens is not None:
-            pad_tokens(step, padded_tokens)
+            pad_rows(step, padded_tokens, self.mixed_rows(padded_tokens))
         return self.upload(step, previous_sampled)
 
     def upload(self, step: HostStep, previous_sampled: torch.Tensor | None = None) -> tuple[StepInputs, int]:

@@ -1,6 +1,7 @@
 """The load_compiled phase: the bundle's compiled layers, unpickled without compiling, and their first calls paid
 here rather than in a request's step."""
 
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -38,18 +39,29 @@ def warm_up_compiled(forward: ModelForward, config: EngineConfig, compile_sizes:
 
 
 @torch.no_grad()
+def warm_up_blocks(block_size: int) -> int:
+    """KV blocks ``warm_up_paged_attention`` writes: two sequences of three tokens at most."""
+    return 2 * -(-3 // block_size)
+
+
 def warm_up_paged_attention(forward: ModelForward, kv_caches: list[torch.Tensor], block_size: int,
                             device: str, kv_scales: list[torch.Tensor] | None = None) -> None:
-    """A two-token prefill, then one decode step, of one sequence through a paged KV cache: the attention kernels
-    are built here (Triton's JIT), not in a request's first step. ``kv_caches`` need only its first blocks."""
-    blocks = -(-3 // block_size)
-    if kv_caches[0].shape[1] < blocks:
+    """A two-token prefill, then one decode step, of one sequence through a paged KV cache, then a mixed step (that
+    decode again beside a second sequence's two-token prefill): the attention kernels are built here (Triton's JIT),
+    both variants of the prefill kernel among them, not in a request's first step. ``kv_caches`` need only its first
+    blocks."""
+    if kv_caches[0].shape[1] < warm_up_blocks(block_size):
         return
-    table = torch.arange(blocks, dtype=torch.int32, device=device)[None, :]
-    for start, end in ((0, 2), (2, 3)):
-        positions = torch.arange(start, end, device=device)
+    tables = torch.arange(warm_up_blocks(block_size), dtype=torch.int32, device=device).view(2, -1)
+    second = int(tables[1, 0]) * block_size
+    # (positions, slots, query starts, sequence lengths, rows of the tables, decodes first)
+    steps = ((range(0, 2), range(0, 2), [0, 2], [2], 1, 0), (range(2, 3), range(2, 3), [0, 1], [3], 1, 1),
+             ([2, 0, 1], [2, second, second + 1], [0, 1, 3], [3, 2], 2, 1))
+    for positions, slots, starts, lens, rows, decodes in steps:
+        positions = torch.tensor(list(positions), device=device)
         metadata = AttentionMetadata(
-            slot_mapping=positions, query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([end], dtype=torch.int32, device=device), block_tables=table,
-            max_query_len=end - start, num_seqs=1)
+            slot_mapping=torch.tensor(list(slots), device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_tables=tables[:rows],
+            max_query_len=max(b - a for a, b in pairwise(starts)), num_seqs=rows, num_decodes=decodes)
         forward(torch.zeros_like(positions), positions, kv_caches, metadata, kv_scales)

@@ -19,15 +19,18 @@ from opentelemetry import trace
 
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.engine_loop import Engine, StepObserver
-from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
-from exec_service.engine.graphs.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.kv import block_hash, kv_cache
 from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.model_runner import KVCache, ModelRunner
 from exec_service.engine.parallel.tensor_parallel_forward import TensorParallelForward
 from exec_service.engine.step_inputs import StepBuffers
 from exec_service.startup import kv_sizing
-from exec_service.startup.compiled_function import load_compiled, warm_up_compiled, warm_up_paged_attention
+from exec_service.startup.compiled_function import (
+    load_compiled,
+    warm_up_blocks,
+    warm_up_compiled,
+    warm_up_paged_attention,
+)
 from exec_service.startup.fetch import BundleFetcher, FetchedBundle, StepFn
 from exec_service.startup.graph_capture import CapturedGraphs, capture_graphs
 from exec_service.startup.memory_profile import profile_memory
@@ -100,8 +103,8 @@ class ModelSizing:
     kv_window: int  # tokens of KV a sequence keeps (every layer windowed), 0: all of them
     dtype: str  # what the model runs in: the request's, or the device's default
     prefix_caching: bool
-    piecewise_capture_sizes: tuple[int, ...] = ()  # token counts of the piecewise graphs (none: off)
-    piecewise_graph_bytes: int = 0  # of cudagraph_bytes, what the piecewise graphs and their inputs hold
+    piecewise_capture_sizes: tuple[int, ...] = ()  # token counts of the mixed graphs (none: off)
+    piecewise_graph_bytes: int = 0  # of cudagraph_bytes, what the mixed graphs hold
     kv_cache_dtype: str = ""  # what the KV cache stores (the model's dtype, or float8_e4m3fn)
     quantization: str = ""  # "fp8" when the decoder's linears are FP8
     tensor_parallel_size: int = 1  # ranks, one process each (the byte counts above are rank 0's)
@@ -238,8 +241,8 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
             span.set_attribute(spans.ACTIVATION_PEAK_BYTES, activation_peak)
 
         buffers = StepBuffers.for_config(config, target.resolved.config.vocab_size)
-        # A few blocks for the warm-ups and the piece graphs' eager attention before the real cache exists.
-        scratch_kv = kv.caches if kv else kv_cache.allocate(kv_spec, -(-3 // config.block_size), config.device)
+        # A few blocks for the warm-ups and the graphs' measure before the real cache exists.
+        scratch_kv = kv.caches if kv else kv_cache.allocate(kv_spec, warm_up_blocks(config.block_size), config.device)
         scratch_scales = kv.scales if kv else kv_cache.allocate_scales(kv_spec, config.kv_cache_scale, config.device)
         forward = ModelForward(loaded.token_model)
         with phases.phase(spans.LOAD_COMPILED) as (event, span):
@@ -266,22 +269,22 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
                 if kv is not None:
                     event.detail += f", {_blocks_detail(kv, config)} (the fewest any rank holds)"
 
-        full_graphs = piecewise_graphs = None
-        cudagraph_bytes = 0
+        full_graphs = mixed_graphs = None
+        cudagraph_bytes = mixed_graph_bytes = 0
         with phases.phase(spans.CAPTURE_CUDAGRAPHS) as (event, span):
             if cudagraph:
                 graphs = _capture(phases, span, forward, config, target, buffers, (scratch_kv, scratch_scales),
                                   loaded, activation_peak, kv_spec)
-                full_graphs, piecewise_graphs, kv, cudagraph_bytes = (graphs.full, graphs.piecewise, graphs.kv,
-                                                                      graphs.captured_bytes)
+                full_graphs, mixed_graphs, kv = graphs.full, graphs.mixed, graphs.kv
+                cudagraph_bytes, mixed_graph_bytes = graphs.captured_bytes, graphs.mixed_bytes
                 del scratch_kv, scratch_scales
-                event.detail = _blocks_detail(kv, config) + "; " + _graphs_detail(full_graphs, piecewise_graphs)
+                event.detail = _blocks_detail(kv, config) + "; " + _graphs_detail(graphs)
             else:
                 event.detail = f"skipped: runtime mode {config.runtime_mode}"
 
     prefix_root = block_hash.model_root(_model_identity(target, config, kv.kv_window, fetched)) \
         if config.enable_prefix_caching else None
-    runner = ModelRunner(config, forward, kv, buffers, full_graphs, piecewise_graphs)
+    runner = ModelRunner(config, forward, kv, buffers, full_graphs, mixed_graphs)
     engine = Engine(target.name, runner, config, _eos_token_ids(target.resolved), step_observers, prefix_root)
     engine.start()
     total = time.perf_counter() - started
@@ -297,7 +300,7 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
         vocab_size=target.resolved.config.vocab_size, kv_window=kv.kv_window, dtype=target.resolved.dtype_name,
         kv_cache_dtype=str(kv_spec.dtype).removeprefix("torch."), quantization=loaded.quantization,
         prefix_caching=config.enable_prefix_caching, piecewise_capture_sizes=config.piecewise_capture_sizes,
-        piecewise_graph_bytes=piecewise_graphs.captured_bytes if piecewise_graphs else 0,
+        piecewise_graph_bytes=mixed_graph_bytes,
         tensor_parallel_size=config.tensor_parallel_size)
     return StartedModel(engine, sizing, tokenizer)
 
@@ -330,9 +333,9 @@ def _capture(phases: "_Phases", span: trace.Span, forward: ModelForward, config:
         budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak, graph_bytes)
         return kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window, forward.agree_num_blocks)
 
-    def piece_captured(size: int, done: int) -> None:
+    def mixed_captured(size: int, done: int) -> None:
         total = len(config.piecewise_capture_sizes)
-        phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured piecewise graphs of {size} tokens ({done}/{total})")
+        phases.progress(spans.CAPTURE_CUDAGRAPHS, f"captured the mixed graph of {size} tokens ({done}/{total})")
 
     def captured(size: int, done: int) -> None:
         total = len(config.capture_sizes)
@@ -340,7 +343,7 @@ def _capture(phases: "_Phases", span: trace.Span, forward: ModelForward, config:
         span.add_event("captured", {spans.BATCH_SIZE: size})
 
     graphs = capture_graphs(forward, config, target.resolved, buffers, scratch, size_kv, phases.step,
-                            piece_captured, captured)
+                            mixed_captured, captured)
     span.set_attributes({spans.CAPTURE_SIZES: list(config.capture_sizes), spans.CAPTURE_SECONDS: graphs.seconds,
                          spans.PIECEWISE_CAPTURE_SIZES: list(config.piecewise_capture_sizes or ()),
                          spans.BYTES: graphs.captured_bytes, spans.NUM_KV_BLOCKS: graphs.kv.num_blocks,
@@ -355,13 +358,12 @@ def _blocks_detail(kv: KVCache, config: EngineConfig) -> str:
     return detail
 
 
-def _graphs_detail(full: CUDAGraphs, piecewise: PiecewiseGraphs | None) -> str:
+def _graphs_detail(graphs: CapturedGraphs) -> str:
     """vLLM's capture line, for both kinds of graph."""
-    seconds = full.seconds + (piecewise.seconds if piecewise else 0.0)
-    total = full.captured_bytes + (piecewise.captured_bytes if piecewise else 0)
-    pieces = (f" ({piecewise.num_graphs} piecewise graphs of {len(piecewise.sizes)} token counts, "
-              f"{piecewise.captured_bytes / (1 << 30):.2f} GiB)" if piecewise else "")
-    return f"Graph capturing finished in {seconds:.0f} secs, took {total / (1 << 30):.2f} GiB{pieces}"
+    mixed = (f" ({len(graphs.mixed.graphs)} mixed graphs of up to {graphs.mixed.capture_sizes[-1]} tokens, "
+             f"{graphs.mixed_bytes / (1 << 30):.2f} GiB)" if graphs.mixed else "")
+    return (f"Graph capturing finished in {graphs.seconds:.0f} secs, took {graphs.captured_bytes / (1 << 30):.2f} "
+            f"GiB{mixed}")
 
 
 def _load_tokenizer(target: LoadTarget, step: StepFn):

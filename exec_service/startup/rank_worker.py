@@ -24,19 +24,22 @@ from transformers import AutoConfig
 
 from exec_service.engine.engine_config import EngineConfig
 from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
-from exec_service.engine.graphs.piecewise_graphs import PiecewiseGraphs
 from exec_service.engine.kv import kv_cache
 from exec_service.engine.model_forward import ModelForward
 from exec_service.engine.model_runner import KVCache
 from exec_service.engine.parallel import step_broadcast
 from exec_service.engine.step_inputs import StepBuffers
 from exec_service.startup import kv_sizing
-from exec_service.startup.compiled_function import load_compiled, warm_up_compiled, warm_up_paged_attention
+from exec_service.startup.compiled_function import (
+    load_compiled,
+    warm_up_blocks,
+    warm_up_compiled,
+    warm_up_paged_attention,
+)
 from exec_service.startup.graph_capture import capture_graphs
 from exec_service.startup.memory_profile import profile_memory
 from exec_service.startup.process_groups import join_groups
 from exec_service.startup.weights import LoadedWeights, load_weights
-from kiln.attention.forward_context import ForwardContext, forward_context
 from kiln.errors import Internal, KilnError, first_line
 from kiln.model.spec import ResolvedModel
 from kiln.model.tensor_parallel import tensor_parallel_group
@@ -83,7 +86,7 @@ def _load(spec: dict) -> _Shard:
     activation_peak = profile_memory(loaded.token_model, config) if config.device == "cuda" else 0
     kv_spec = kv_cache.KVCacheSpec.from_config(resolved.config, config.block_size, resolved.dtype,
                                                config.tensor_parallel_size)
-    scratch_kv = kv_cache.allocate(kv_spec, -(-3 // config.block_size), config.device)
+    scratch_kv = kv_cache.allocate(kv_spec, warm_up_blocks(config.block_size), config.device)
     forward = ModelForward(loaded.token_model)
     if spec["bundle"] is not None:
         trusted = TrustedKeys([load_pem_public_key(pem.encode()) for pem in spec["trusted_keys"]])
@@ -106,29 +109,28 @@ class RankServing:
     kv: KVCache
     buffers: StepBuffers | None = None
     full: CUDAGraphs | None = None
-    piecewise: PiecewiseGraphs | None = None
+    mixed: CUDAGraphs | None = None
 
     def run(self, step: step_broadcast.StepInputs) -> None:
         """The step by rank 0's path, at its size: the same graph, or the same forward, as rank 0 runs."""
-        caches, metadata = self.kv.caches, step.metadata
         if step.path == StepPath.FULL_GRAPH:
             self.into_graph_buffers(step)
             self.full.replay(step.padded_size)
-        elif step.path == StepPath.PIECEWISE_GRAPH:
-            with forward_context(ForwardContext(caches, metadata, self.kv.scales)), \
-                    self.piecewise.replay(step.padded_size):
-                self.forward.compiled_forward(step.input_ids, step.positions)
+        elif step.path == StepPath.MIXED_GRAPH:
+            self.into_graph_buffers(step)
+            self.mixed.replay(step.padded_size)
         else:
-            self.forward(step.input_ids, step.positions, caches, metadata, self.kv.scales)
+            self.forward(step.input_ids, step.positions, self.kv.caches, step.metadata, self.kv.scales)
 
     def into_graph_buffers(self, step: step_broadcast.StepInputs) -> None:
-        """Rank 0's padded decode inputs where this rank's full graphs read them (StepBuffers.graph_metadata)."""
-        b, m, n = self.buffers, step.metadata, step.input_ids.shape[0]
+        """Rank 0's padded inputs where this rank's graphs read them (StepBuffers.graph_metadata and
+        mixed_graph_metadata): its tokens and its sequence rows, padding included."""
+        b, m, n, seqs = self.buffers, step.metadata, step.input_ids.shape[0], step.metadata.seq_lens.shape[0]
         b.input_ids[:n].copy_(step.input_ids)
         b.positions[:n].copy_(step.positions)
         b.slot_mapping[:n].copy_(m.slot_mapping)
-        b.query_start_loc[:n + 1].copy_(m.query_start_loc)
-        b.seq_lens[:n].copy_(m.seq_lens)
+        b.query_start_loc[:seqs + 1].copy_(m.query_start_loc)
+        b.seq_lens[:seqs].copy_(m.seq_lens)
         rows, cols = m.block_tables.shape
         b.block_tables[:rows, :cols].copy_(m.block_tables)
 
@@ -151,7 +153,7 @@ def _start_serving(shard: _Shard, control: dist.ProcessGroup) -> RankServing:
     scratch_scales = kv_cache.allocate_scales(shard.kv_spec, config.kv_cache_scale, config.device)
     graphs = capture_graphs(shard.forward, config, shard.resolved, buffers, (shard.scratch_kv, scratch_scales),
                             size_kv)
-    return RankServing(shard.forward, graphs.kv, buffers, graphs.full, graphs.piecewise)
+    return RankServing(shard.forward, graphs.kv, buffers, graphs.full, graphs.mixed)
 
 
 @torch.no_grad()

@@ -4,7 +4,6 @@ The op is opaque to Dynamo, so the compiled graph only passes q/k/v and the laye
 the step's block tables live here, owned by the runner for exactly the duration of one forward.
 """
 
-import functools
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -28,24 +27,13 @@ class AttentionMetadata:
     max_query_len: int
     num_seqs: int  # real sequences; rows past it are CUDA-graph padding
     num_decodes: int = 0  # leading sequences with one query token (the engine schedules decodes first)
+    # A CUDA graph's step, captured for any mix of rows: the decode and prefill kernels both run over every row,
+    # each taking the rows its query length selects; max_query_len is the graph's token count, a bound.
+    any_rows: bool = False
 
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
-
-    @functools.cached_property
-    def decode_split(self) -> tuple["AttentionMetadata | None", "AttentionMetadata"]:
-        """A mixed step as its leading one-query sequences and the rest, so the GPU attends the first with the
-        decode kernel (K/V read once per GQA group) and only the rest with the prefill kernel. Token offsets stay
-        absolute: both halves index the step's q and output as a whole. Made once per step: every layer asks."""
-        n = self.num_decodes
-        if n == 0:
-            return None, self
-        decodes = AttentionMetadata(self.slot_mapping, self.query_start_loc[:n + 1], self.seq_lens[:n],
-                                    self.block_tables[:n], max_query_len=1, num_seqs=n)
-        rest = AttentionMetadata(self.slot_mapping, self.query_start_loc[n:], self.seq_lens[n:],
-                                 self.block_tables[n:], self.max_query_len, self.num_seqs - n)
-        return decodes, rest
 
 
 @dataclass

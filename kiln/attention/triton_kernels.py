@@ -10,8 +10,11 @@ Same semantics as ``kiln.attention.reference.paged_attention``, in three kernels
   stays correct when it is replayed with other lengths and tables.
 - Every other step (prefill, mixed prefill and decode, prefill over a cached prefix) runs one varlen
   flash-attention launch over the paged cache: the new tokens are written first, so a sequence's whole context
-  is read from the cache, and queries sit at the end of it (causal). A mixed step's leading one-query sequences
-  (``AttentionMetadata.num_decodes``) go to the decode kernels instead.
+  is read from the cache, and queries sit at the end of it (causal). In a mixed step the sequences with one query
+  token go to the decode kernels instead: every kernel is launched over all the step's rows and takes the rows
+  whose query length is its own, read on the device. So a step's grid depends on its row count and its longest
+  query only, and a step captured at a token count (``AttentionMetadata.any_rows``: the longest query bounded by
+  that count) stays correct replayed with any mix of prefills and decodes within it.
 
 A layer's sliding window (``window`` > 0) and attention-logit soft-cap (``softcap`` > 0) are kernel arguments, the
 same on every call of that layer, so a captured graph stays right: decode reads only the window's tail of the
@@ -50,9 +53,8 @@ DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
 PREFILL_CONFIGS = {2: (128, 32, 8, 2), 4: (64, 32, 4, 2)}
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
 # would JIT a new variant for each divisibility class it falls in (a 0.7 s stall in a serving step on an H200).
-# Likewise the prefill of a mixed step starts at its first prefilling sequence as an index (first_seq, not
-# specialised) into the step's whole tables, never as pointers offset by the decodes before it: Triton specialises
-# pointers on 16-byte alignment, so every count of leading decodes not a multiple of 4 built a variant after ready.
+# Likewise every kernel gets the step's whole tables and picks its rows by their query length, never pointers offset
+# past some rows: Triton specialises pointers on 16-byte alignment, so an offset built a variant after ready.
 
 
 @triton.jit
@@ -227,7 +229,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(query_start_loc_ptr + seq)
-    has_query = tl.load(query_start_loc_ptr + seq + 1) > token
+    has_query = tl.load(query_start_loc_ptr + seq + 1) == token + 1  # a decode row: the prefill kernel takes others
     seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
     first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the one query sits at seq_len - 1
     split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
@@ -311,11 +313,12 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head) into its output row; zeros when the context is empty."""
+    """Merge the splits of one (sequence, query head) into its output row; zeros when the context is empty. Rows
+    that are not decodes (no query, or several) are left to the prefill kernel."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)
-    has_query = tl.load(query_start_loc_ptr + seq + 1) > token
+    has_query = tl.load(query_start_loc_ptr + seq + 1) == token + 1
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     split_mask = splits < num_splits
@@ -336,7 +339,7 @@ def _decode_reduce_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["stride_bt", "window", "first_seq"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -350,7 +353,6 @@ def _prefill_kernel(
     qk_scale,
     cap_scale,
     window,
-    first_seq,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -370,19 +372,21 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
 ):
-    """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's cached context.
+    """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's cached context;
+    with SKIP_DECODES, not of the sequences with one query token, which the decode kernels take.
 
     The context splits into three runs of tiles: those a window edge crosses for some row (masked by window and
     causality), those inside every row's window and before every row (unmasked), and the causal diagonal (masked).
     Without a window the first run is empty. KV_SCALED as in the decode kernel.
     """
     m_block = tl.program_id(0)
-    seq = tl.program_id(1) + first_seq
+    seq = tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
+    if m_block * BLOCK_M >= q_len or (SKIP_DECODES and q_len == 1):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len  # context tokens before this step's queries
@@ -641,10 +645,10 @@ def _decode(
 
 def _prefill(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int, softcap: float,
-    out: torch.Tensor, first_seq: int = 0, kv_scale: torch.Tensor | None = None,
+    out: torch.Tensor, skip_decodes: bool, kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """The sequences of ``meta`` from ``first_seq`` on (the ones before it are a mixed step's decodes)."""
-    batch = meta.seq_lens.shape[0] - first_seq
+    """Every sequence of ``meta`` but, with ``skip_decodes``, those of one query token (the decode kernels')."""
+    batch = meta.seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -666,7 +670,6 @@ def _prefill(
         qk_scale,
         cap_scale,
         window,
-        first_seq,
         *q.stride(),
         *k_cache.stride(),
         meta.block_tables.stride(0),
@@ -680,6 +683,7 @@ def _prefill(
         SOFTCAP=softcap > 0,
         DOT_PRECISION=_dot_precision(q.dtype),
         KV_SCALED=kv_scale is not None,
+        SKIP_DECODES=skip_decodes,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -703,8 +707,8 @@ def paged_attention(
     if meta.is_decode:
         _decode(q, kv_cache, meta, scale, window, softcap, out, kv_scale)
     else:
-        decodes, _ = meta.decode_split
-        if decodes is not None:
-            _decode(q, kv_cache, decodes, scale, window, softcap, out, kv_scale)
-        _prefill(q, kv_cache, meta, scale, window, softcap, out, meta.num_decodes, kv_scale)
+        with_decodes = meta.num_decodes > 0 or meta.any_rows
+        if with_decodes:
+            _decode(q, kv_cache, meta, scale, window, softcap, out, kv_scale)
+        _prefill(q, kv_cache, meta, scale, window, softcap, out, with_decodes, kv_scale)
     return out

@@ -3,31 +3,16 @@
 It is pickled into the bundle by the compile service and unpickled by ``torch.compiler.load_compiled_function`` in
 the execute service, so it lives here, importable by both. Each piece holds the artifact compiled for the symbolic
 token count and, optionally, artifacts for static token counts (``compile_sizes``), chosen per call.
-
-While ``piece_calls(runner)`` is active in a thread, each piece call goes through ``runner(piece, args)`` instead:
-how the execute service captures and replays the pieces as piecewise CUDA graphs.
 """
 
 import hashlib
 import pickle
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 import torch
 from torch._dynamo.aot_compile_types import SerializableCallable
 from torch._inductor.standalone_compile import AOTCompiledArtifact
 from torch.fx.graph_module import _format_import_block
 from torch.package import sys_importer
-
-from kiln.thread_value import ThreadValue
-
-PieceRunner = Callable[["CompiledPiece", tuple], object]  # (piece, args) -> what the piece returns
-_runner: ThreadValue[PieceRunner] = ThreadValue()
-
-
-def piece_calls(runner: PieceRunner) -> AbstractContextManager[None]:
-    """Route every CompiledPiece call of this thread to ``runner`` while the block runs."""
-    return _runner.set(runner)
 
 
 class CompiledPiece(torch.nn.Module):
@@ -46,12 +31,6 @@ class CompiledPiece(torch.nn.Module):
         return int(args[pos]) if dim is None else args[pos].shape[dim]
 
     def forward(self, *args):
-        runner = _runner.get()
-        if runner is not None:
-            return runner(self, args)
-        return self.run(*args)
-
-    def run(self, *args):
         """The compiled code for this call's token count (the symbolic one unless a compile size matches)."""
         artifact = self.by_size.get(self.num_tokens(args), self.symbolic) if self.by_size else self.symbolic
         out = artifact(*args)

@@ -32,7 +32,7 @@ MAX_SEED = (1 << 63) - 1  # any non-negative 64-bit seed
 MAX_N = 64  # sequences sampled from one prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_REPETITION_PENALTY = 10.0
-MAX_PIECEWISE_SIZES = 64  # token counts with piecewise CUDA graphs: each is a capture of every piece
+MAX_PIECEWISE_SIZES = 64  # token counts with mixed CUDA graphs: each is a capture of the whole step
 MAX_KV_CACHE_SCALE = 1000.0  # an FP8 KV cache's scale
 MAX_TENSOR_PARALLEL_SIZE = 8  # ranks: the GPUs of one host (kiln.model.tensor_parallel, which imports no protobuf)
 
@@ -79,7 +79,7 @@ BOUNDS: dict[str, Bound] = {
     "kiln.v1.LoadModelRequest.capture_sizes": Bound(1, MAX_NUM_SEQS, max_count=MAX_NUM_SEQS),
     "kiln.v1.LoadModelRequest.max_num_waiting": Bound(0, MAX_NUM_WAITING, note="0 means 256"),
     "kiln.v1.LoadModelRequest.piecewise_capture_sizes": Bound(0, MAX_BATCHED_TOKENS, max_count=MAX_PIECEWISE_SIZES,
-                                                              note="[0] turns piecewise graphs off"),
+                                                              note="[0] turns mixed graphs off"),
     "kiln.v1.LoadModelRequest.kv_cache_scale": Bound(0, MAX_KV_CACHE_SCALE, note="0 means 1.0"),
     "kiln.v1.LoadModelRequest.tensor_parallel_size": Bound(0, MAX_TENSOR_PARALLEL_SIZE, note="0 means 1"),
     # exec.proto: GenerateRequest

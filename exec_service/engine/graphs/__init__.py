@@ -1,2 +1,2 @@
-"""CUDA graphs a step replays: full graphs of the whole model for decode-only batches, piecewise graphs of the
-compiled pieces between attention calls for prefill and mixed steps."""
+"""CUDA graphs a step replays, each of a whole step, attention included: decode graphs by batch size for decode-only
+batches, mixed graphs by token count for prefill and mixed steps."""

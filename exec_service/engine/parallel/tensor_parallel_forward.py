@@ -1,6 +1,6 @@
 """Rank 0's forward of a tensor-parallel model: each step's inputs to the other ranks, then this rank's shard.
 
-Every rank runs the same forward on its shard, by the same path (a full CUDA graph, piecewise graphs, the compiled
+Every rank runs the same forward on its shard, by the same path (a decode graph, a mixed graph, the compiled
 layers or the eager model) at the same size; the all-reduces inside it (kiln.model.tensor_parallel) meet across the
 ranks. A forward that fails part way leaves the ranks out of step, so any failure loses the model: its requests end
 with UNAVAILABLE and it must be loaded again.
