@@ -13,8 +13,10 @@ import time
 
 import torch
 
-from kiln.attention import op  # noqa: F401 (registers kiln::attention)
-from kiln.attention import triton_kernels
+from kiln.attention import (
+    op,  # noqa: F401 (registers kiln::attention)
+    triton_kernels,
+)
 from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 32, 8, 128, 16, 32
