@@ -1,5 +1,5 @@
 """Host time of one call of Kiln's attention op and of its parts, at one Llama-3-8B layer's shapes: what a step that
-runs attention eagerly (launched from Python, or between piece graphs) pays per layer before the GPU does anything.
+runs attention eagerly (launched from Python, outside the graphs) pays per layer before the GPU does anything.
 
 Each figure is the host's µs per call over 300 calls with no sync between them (the GPU's work here is tiny, so
 the host is what is timed), then the same with the GPU drained. Then the op's call behind ~20 ms of queued GPU work:

@@ -1,10 +1,10 @@
-"""On a CUDA device: piecewise CUDA graphs for prefill and mixed steps. A padded step writes the KV of its real
+"""On a CUDA device: mixed CUDA graphs for prefill and mixed steps. A padded step writes the KV of its real
 tokens only, and nothing compiles, builds a Triton kernel or autotunes after a model is ready, whatever the workload
 (prompts of 1 to 2,048 tokens, batches of 1 to 128, greedy and sampled, on a family with local and global layers and
-soft caps). Token-for-token equality with piecewise graphs off is in tests/test_gpu_families.py and
+soft caps). Token-for-token equality with mixed graphs off is in tests/test_gpu_families.py and
 tests/test_gpu_generation.py.
 
-    python -m pytest -m gpu tests/test_gpu_piecewise.py
+    python -m pytest -m gpu tests/test_gpu_mixed_graphs.py
 """
 
 import asyncio
@@ -43,7 +43,7 @@ GEMMA2 = {"model_type": "gemma2", "hidden_size": 256, "intermediate_size": 512, 
 
 
 @pytest.fixture(scope="module")
-def piecewise_servers(tmp_path_factory, signer, trusted_keys):
+def graph_servers(tmp_path_factory, signer, trusted_keys):
     """A compile service, an exec service on it, and what an in-process start_model needs to use them too."""
     from compile_service.server import CompileServerSettings, start_compile_server
     from exec_service.server import ExecServerSettings, start_exec_server
@@ -95,10 +95,10 @@ def _written_slots(caches: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def test_a_padded_step_writes_the_kv_of_its_real_tokens_only(piecewise_servers):
+def test_a_padded_step_writes_the_kv_of_its_real_tokens_only(graph_servers):
     """A 37-token prefill replayed at 48 tokens: 37 slots written, each as the same prefill without graphs wrote it;
     the 11 padding tokens wrote none."""
-    _, fetcher, steps = piecewise_servers
+    _, fetcher, steps = graph_servers
     prompt = [(11 * i + 5) % 2000 + 3 for i in range(37)]
     written, tokens = {}, {}
     for sizes in ([48], [0]):
@@ -162,8 +162,8 @@ def _random_request(rng: random.Random, name: str) -> exec_pb2.GenerateRequest:
     return request
 
 
-def test_nothing_compiles_builds_or_autotunes_after_ready(piecewise_servers):
-    stub, _, steps = piecewise_servers
+def test_nothing_compiles_builds_or_autotunes_after_ready(graph_servers):
+    stub, _, steps = graph_servers
     name = "after-ready"
     events = list(stub.LoadModel(_request(name, GEMMA2, dtype="bfloat16", tokens=2048, max_model_len=2100,
                                           max_num_seqs=128)))
