@@ -70,6 +70,14 @@ def weight_only(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, conf
 
 
 @triton.jit
+def _split_k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's [start, end) of K, split SPLIT_K ways (grid axis 1) in whole BLOCK_K tiles."""
+    per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    start = tl.program_id(1) * per_split
+    return start, tl.minimum(start + per_split, K)
+
+
+@triton.jit
 def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                     WIDE_F32: tl.constexpr):
@@ -80,10 +88,9 @@ def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = split * k_per_split
+    k_start, k_end = _split_k_range(K, SPLIT_K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + rk
         w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < K),
                     other=0.0)
@@ -123,10 +130,9 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm,
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = split * k_per_split
+    k_start, k_end = _split_k_range(K, SPLIT_K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + rk
         w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < K),
                     other=0.0).to(tl.float32)
