@@ -39,10 +39,19 @@ class SseClient:
             connection.writer.close()
         self._idle.clear()
 
+    async def _connection(self) -> _Connection:
+        """An idle connection the server has not closed (uvicorn closes one idle past its keep-alive timeout, 5 s),
+        or a new one."""
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.reader.at_eof():
+                return connection
+            connection.writer.close()
+        return _Connection(*await asyncio.open_connection(self.host, self.port))
+
     async def events(self, path: str, body: dict) -> AsyncIterator[dict]:
         """The ``data:`` payloads of the answer to ``POST path``, as JSON, until ``[DONE]``."""
-        connection = self._idle.pop() if self._idle else _Connection(
-            *await asyncio.open_connection(self.host, self.port))
+        connection = await self._connection()
         data = json.dumps(body).encode()
         conn = connection.h11
         connection.writer.write(conn.send(h11.Request(method="POST", target=self.prefix + path,
