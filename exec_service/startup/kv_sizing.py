@@ -97,8 +97,9 @@ def allocate(spec: KVCacheSpec, blocks: int, device: str, kv_window: int, kv_cac
     return KVCache(caches, usable, kv_window, kv_cache.allocate_scales(spec, kv_cache_scale, device))
 
 
-def allocate_budgeted(budget: MemoryBudget, spec: KVCacheSpec, config: EngineConfig, kv_window: int,
-                      agree: Callable[[int], int] | None = None) -> KVCache:
-    """The cache the budget holds (``agree``: as ``num_blocks``)."""
+def allocate_budgeted(config: EngineConfig, weights_bytes: int, activation_peak_bytes: int, spec: KVCacheSpec,
+                      kv_window: int, cudagraph_bytes: int = 0, agree: Callable[[int], int] | None = None) -> KVCache:
+    """The cache ``memory_budget`` leaves room for (``agree``: as ``num_blocks``)."""
+    budget = memory_budget(config, weights_bytes, activation_peak_bytes, cudagraph_bytes)
     return allocate(spec, num_blocks(budget, spec, config.max_model_len, agree), config.device, kv_window,
                     config.kv_cache_scale)

@@ -234,8 +234,8 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
             # have joined (their NCCL buffers taken) and can agree.
             if not cudagraph and ranks is None:
                 with phases.step(spans.KV_CACHE):
-                    budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak)
-                    kv = kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window)
+                    kv = kv_sizing.allocate_budgeted(config, loaded.weights_bytes, activation_peak, kv_spec,
+                                                     loaded.kv_window)
                 event.detail = _blocks_detail(kv, config)
                 span.set_attributes({spans.NUM_KV_BLOCKS: kv.num_blocks, spans.KV_CACHE_BYTES: kv.bytes})
             span.set_attribute(spans.ACTIVATION_PEAK_BYTES, activation_peak)
@@ -262,9 +262,8 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
                 with phases.step(spans.JOIN_RANKS):
                     forward = TensorParallelForward(forward, ranks.join(config.device))
                     if not cudagraph:  # every rank sizes its own budget: the cache gets the fewest blocks
-                        budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak)
-                        kv = kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window,
-                                                         forward.agree_num_blocks)
+                        kv = kv_sizing.allocate_budgeted(config, loaded.weights_bytes, activation_peak, kv_spec,
+                                                         loaded.kv_window, agree=forward.agree_num_blocks)
                 event.detail += f"; {ranks.size} ranks"
                 if kv is not None:
                     event.detail += f", {_blocks_detail(kv, config)} (the fewest any rank holds)"
@@ -330,8 +329,8 @@ def _capture(phases: "_Phases", span: trace.Span, forward: ModelForward, config:
              kv_spec: kv_cache.KVCacheSpec) -> CapturedGraphs:
     """The graphs and the KV cache sized around them (graph_capture.capture_graphs: every rank runs the same)."""
     def size_kv(graph_bytes: int) -> KVCache:
-        budget = kv_sizing.memory_budget(config, loaded.weights_bytes, activation_peak, graph_bytes)
-        return kv_sizing.allocate_budgeted(budget, kv_spec, config, loaded.kv_window, forward.agree_num_blocks)
+        return kv_sizing.allocate_budgeted(config, loaded.weights_bytes, activation_peak, kv_spec, loaded.kv_window,
+                                           graph_bytes, forward.agree_num_blocks)
 
     def mixed_captured(size: int, done: int) -> None:
         total = len(config.piecewise_capture_sizes)

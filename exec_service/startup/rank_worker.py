@@ -143,8 +143,8 @@ def _start_serving(shard: _Shard, control: dist.ProcessGroup) -> RankServing:
         return step_broadcast.agree_num_blocks(control, blocks)
 
     def size_kv(graph_bytes: int) -> KVCache:
-        budget = kv_sizing.memory_budget(config, shard.loaded.weights_bytes, shard.activation_peak, graph_bytes)
-        return kv_sizing.allocate_budgeted(budget, shard.kv_spec, config, shard.loaded.kv_window, agree)
+        return kv_sizing.allocate_budgeted(config, shard.loaded.weights_bytes, shard.activation_peak, shard.kv_spec,
+                                           shard.loaded.kv_window, graph_bytes, agree)
 
     if config.runtime_mode != RuntimeMode.CUDAGRAPH:  # as rank 0, once the groups exist
         return RankServing(shard.forward, size_kv(0))

@@ -86,11 +86,12 @@ def receive_step(control: dist.ProcessGroup, collective: dist.ProcessGroup, devi
     """The other ranks: rank 0's next step, or None when it says stop. ValueError for a header past ``bounds``."""
     header = torch.zeros(_HEADER, dtype=torch.int64)
     _broadcast(control, header, IDLE_WAIT)
+    values = header.tolist()
     (command, tokens, slots, starts, lens, rows, cols, max_query_len, num_seqs, num_decodes, path,
-     padded_size) = header.tolist()
+     padded_size) = values
     if command == STOP:
         return None
-    _check(header.tolist(), bounds)
+    _check(values, bounds)
     payload = torch.empty(2 * tokens + slots + starts + lens + rows * cols, dtype=torch.int64, device=device)
     _broadcast(collective, payload)
     ids, positions, slot_mapping, query_start_loc, seq_lens, tables = payload.split(
