@@ -3,6 +3,8 @@ token counts, to find the FP8 product a decode-sized step should use (issue 24: 
 
 - ``torch._scaled_mm`` alone (input quantized beforehand), as Kiln's layers call it, and with ``use_fast_accum``;
 - cuBLASLt's tensor-wise FP8 GEMM at unit scales, the row and token scales multiplied into its output after;
+- ``_scaled_mm`` with its operands swapped, out.T = W @ x.T: the weight's rows are cuBLASLt's M (thousands) and the
+  tokens its N, padded to 16 (its smallest), so a decode step is not a 1-row GEMM to cuBLASLt's kernel heuristics;
 - the quantize and GEMM compiled (as in a Kiln layer, the quantize fused into one kernel);
 - weight-only candidates for few tokens: the FP8 weight read once and widened to bf16 in registers, the activation
   left in bf16 (no quantize), each at the fastest of a few tile configs: a dot with the tokens first, a dot with the
@@ -190,6 +192,20 @@ def unit_scaled(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, w_scal
     return torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16) * x_scale * w_scale
 
 
+def swapped(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
+            fast_accum: bool = False) -> torch.Tensor:
+    """out = (q @ xq.T).T with the token count padded to a multiple of 16, row scales as ``scale_a`` [N, 1] and the
+    token scales as ``scale_b`` [1, M]; the transposed output is read back as [M, N] (a compiled layer fuses the
+    copy into the next op)."""
+    pad = -xq.shape[0] % 16
+    if pad:
+        xq = torch.cat([xq, xq.new_zeros(pad, xq.shape[1])])
+        x_scale = torch.cat([x_scale, x_scale.new_ones(pad, 1)])
+    out = torch._scaled_mm(q, xq.t(), scale_a=w_scale.reshape(-1, 1), scale_b=x_scale.reshape(1, -1),
+                           out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+    return out.t()[: out.shape[1] - pad]
+
+
 def best_of(fn, configs) -> tuple[float, tuple | None]:
     """The fastest config's µs and the config; configs the GPU cannot run (shared memory) are skipped."""
     timed = {}
@@ -225,8 +241,15 @@ def check() -> None:
             got = fn(x, q, scale, config).float()
             torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, f=fn, c=config, shape=(m, n, k):
                                        f"{f.__name__} {c} at {shape}: {e}")
-    print("weight-only candidates (dot, swap-AB, GEMV; split-K too): equal to the dequantized product within bf16 "
-          "rounding")
+        if k % 16 == 0 and n % 16 == 0:  # cuBLASLt's FP8 shapes
+            xq, x_scale = quantize_tokens(x)
+            want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
+            for fast in (False, True):
+                got = swapped(xq, x_scale, q, scale, fast).float()
+                torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, shape=(m, n, k):
+                                           f"swapped _scaled_mm at {shape}: {e}")
+    print("weight-only candidates (dot, swap-AB, GEMV; split-K too) and the swapped _scaled_mm: equal to the "
+          "dequantized product within bf16 rounding")
 
 
 def main() -> None:
@@ -241,9 +264,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           "µs are triton.testing.do_bench medians (L2 flushed before each call)")
     print("| tokens | GEMM | bf16 us | fp8 _scaled_mm us | fast accum us | tensor-wise, unit scales us "
-          "| fp8 compiled (quantize + GEMM) us | weight-only Triton us (config) | swap-AB us (config) "
-          "| GEMV us (config) | bf16 / best fp8 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| swapped us | swapped, fast accum us | fp8 compiled (quantize + GEMM) us | weight-only Triton us (config) "
+          "| swap-AB us (config) | GEMV us (config) | bf16 / best fp8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for tokens in map(int, args.tokens.split(",")):
         for name, n, k in GEMMS:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
@@ -257,8 +280,10 @@ def main() -> None:
             fast = us(lambda a=xq, s=x_scale, q=q, t=w_scale: torch._scaled_mm(
                 a, q.t(), scale_a=s, scale_b=t, out_dtype=torch.bfloat16, use_fast_accum=True))
             unit = us(lambda a=xq, s=x_scale, q=q, t=w_scale: unit_scaled(a, s, q, t))
+            swap = us(lambda a=xq, s=x_scale, q=q, t=scale: swapped(a, s, q, t))
+            swap_fast = us(lambda a=xq, s=x_scale, q=q, t=scale: swapped(a, s, q, t, True))
             fused = us(lambda x=x, q=q, s=scale: compiled(x, q, s, None, None))
-            cells, best = [], min(gemm, fast, unit, fused)
+            cells, best = [], min(gemm, fast, unit, swap, swap_fast, fused)
             for fn, configs, most in ((weight_only, CONFIGS, MAX_WEIGHT_ONLY_TOKENS),
                                       (swap_ab, SWAP_AB_CONFIGS, MAX_WEIGHT_ONLY_TOKENS),
                                       (gemv, GEMV_CONFIGS, MAX_GEMV_TOKENS)):
@@ -268,8 +293,8 @@ def main() -> None:
                 timed, config = best_of(lambda c, f=fn, x=x, q=q, s=scale: f(x, q, s, c), configs)
                 cells.append(f"{timed:.1f} {config}" if config else "none ran")
                 best = min(best, timed)
-            print(f"| {tokens} | {name} | {bf16:.1f} | {gemm:.1f} | {fast:.1f} | {unit:.1f} | {fused:.1f} | "
-                  f"{' | '.join(cells)} | {bf16 / best:.2f}x |", flush=True)
+            print(f"| {tokens} | {name} | {bf16:.1f} | {gemm:.1f} | {fast:.1f} | {unit:.1f} | {swap:.1f} | "
+                  f"{swap_fast:.1f} | {fused:.1f} | {' | '.join(cells)} | {bf16 / best:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ from dataclasses import dataclass
 from kiln.runtime_mode import RuntimeMode
 
 # Token counts of the mixed CUDA graphs when LoadModel names none (those up to the step token budget): dense
-# where steps are short, 64 apart towards 512, where a padded token costs more.
-DEFAULT_PIECEWISE_CAPTURE_SIZES = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+# where steps are short, 64 apart towards 512, where a padded token costs more. Not 448: cuBLAS runs Llama-3-8B's
+# gate/up GEMM of 448 rows 1.6x slower than 512 rows on the H200, so a step padded to 448 took 17 ms where one
+# padded to 512 takes 14 (BENCHMARKS.md, "Prefill and mixed steps").
+DEFAULT_PIECEWISE_CAPTURE_SIZES = (8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,6 @@ def capture_graphs(forward: ModelForward, config: EngineConfig, resolved: Resolv
 
 
 @torch.no_grad()
-@torch.no_grad()
 def _capture(graphs: CUDAGraphs, kind: tuple[str, str], kv_caches: list[torch.Tensor],
              kv_scales: list[torch.Tensor] | None, on_captured: OnCaptured = _ignore) -> None:
     field, what = kind
