@@ -244,6 +244,18 @@ def test_bad_input_is_openai_error_with_its_status(client):
         client.completions.create(model="no-such-model", prompt=PROMPT, stream=True)
 
 
+def test_a_body_that_is_not_json_or_not_an_object_is_refused_saying_where(gateway):
+    """Validated from the raw bytes: the message says where the JSON broke, and names no parameter."""
+    for body, message in ((b'{"model": ', "Invalid JSON: EOF while parsing a value at line 1 column 10"),
+                          (b"[1, 2]", "Input should be an object")):
+        request = urllib.request.Request(f"{gateway.url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.load(refused.value)["error"]
+        assert refused.value.code == 400 and (error["message"], error["param"]) == (message, None)
+
+
 @pytest.mark.parametrize(("code", "status", "kind"), [
     (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     (grpc.StatusCode.FAILED_PRECONDITION, 400, "invalid_request_error"),

@@ -13,7 +13,8 @@ from contextlib import asynccontextmanager
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 from exec_service.openai.body_limit import BodyLimit
 from exec_service.openai.errors import ApiError, from_rpc_error
@@ -21,7 +22,7 @@ from exec_service.openai.exec_client import ExecClient, merged
 from exec_service.openai.gateway_metrics import GatewayMetrics
 from exec_service.openai.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from exec_service.openai.responses import Completion
-from exec_service.openai.streaming import MEDIA_TYPE, ChunkStream
+from exec_service.openai.streaming import ChunkStream, EventStream
 from kiln.rpc.grpc_server import DEFAULT_MAX_REQUEST_BYTES
 from protos import exec_pb2
 
@@ -80,12 +81,14 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
             {"id": m.name, "object": "model", "created": 0, "owned_by": "kiln", "max_model_len": m.sizing.max_model_len}
             for m in listed.models if m.state == exec_pb2.MODEL_STATE_READY]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        body = await _parsed(request, CompletionRequest)
         return await _answer(request, body, chat=False, want_logprobs=body.logprobs is not None)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        body = await _parsed(request, ChatCompletionRequest)
         return await _answer(request, body, chat=True, want_logprobs=body.logprobs)
 
     async def _answer(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
@@ -109,8 +112,7 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
             responses = metrics.gaps(endpoint, first, first_s, responses)
         if body.stream:
             stream = ChunkStream(body.n, chat, body.model, want_logprobs, body.include_usage, body.return_token_ids)
-            return StreamingResponse(_timed(stream.events(first, responses), endpoint, started),
-                                     media_type=MEDIA_TYPE)
+            return EventStream(_timed(stream.events(first, responses), endpoint, started))
         answer = await _whole(body, chat, want_logprobs, first, responses)
         if metrics is not None:
             metrics.finished(endpoint, time.perf_counter() - started)
@@ -123,6 +125,20 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
             metrics.finished(endpoint, time.perf_counter() - started)
 
     return app
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    """The request body's schema in the OpenAPI document, as FastAPI writes it for a model parameter."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def _parsed(request: Request, model: type[BaseModel]):
+    """The body as ``model``, validated by pydantic straight from its bytes (FastAPI's model parameter decodes the
+    JSON in Python first, then validates the objects: ~0.15 ms more per request); refused as FastAPI refuses it."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
 
 
 async def _whole(body: SamplingFields, chat: bool, want_logprobs: bool, first, responses) -> dict:
