@@ -10,8 +10,11 @@ store), then loads the bundle as the execute service does (signature checked, no
 With --host-profile, each step launched from Python is also run under cProfile, and the functions that hold the host
 longest (their own time) are printed: where a host-bound step's time goes.
 
-usage: python bench/prefill_steps.py [--preset llama-3-8b] [--tokens 32,64,128,256,384,512] [--json-out FILE]
-                                     [--host-profile]
+A step of a captured size that is slower than a larger size's is named at the end: padding it up would be faster, so
+that size is not worth its graph (cuBLAS's 448-row GEMM on the H200 was one).
+
+usage: python bench/prefill_steps.py [--preset llama-3-8b] [--tokens 8,16,...,512 (the default capture sizes)]
+                                     [--json-out FILE] [--host-profile]
 """
 
 import argparse
@@ -117,7 +120,7 @@ def fill_buffers(buffers: StepBuffers, ids: torch.Tensor, positions: torch.Tenso
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="llama-3-8b")
-    p.add_argument("--tokens", default="32,64,128,256,384,512")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_PIECEWISE_CAPTURE_SIZES)))
     p.add_argument("--json-out", type=Path)
     p.add_argument("--host-profile", action="store_true", help="cProfile each step launched from Python too")
     args = p.parse_args()
@@ -150,6 +153,8 @@ def main() -> None:
     rows = []
     for mixed in (False, True):
         for tokens in sizes:
+            if mixed and tokens < DECODES + 2:  # a mixed step's chunk has at least two tokens
+                continue
             meta = step_metadata(tokens, mixed, max_blocks)
             ids = torch.randint(0, resolved.config.vocab_size, (tokens,), device="cuda")
             positions = torch.arange(tokens, device="cuda")
@@ -183,6 +188,12 @@ def main() -> None:
               f"{r['graph_kernels_ms']:.2f} | {r['graph_ms'] / r['graph_kernels_ms']:.2f}x | "
               f"{r['compiled_ms']:.2f} | {r['compiled_kernels_ms']:.2f} | "
               f"{r['compiled_ms'] / r['compiled_kernels_ms']:.2f}x |")
+    for r in rows:  # a captured size is worth its graph only where its step beats the next sizes' (issue 28: 448)
+        faster = [o for o in rows if o["step"] == r["step"] and o["padded"] > r["padded"]
+                  and o["graph_ms"] < r["graph_ms"]]
+        if faster:
+            print(f"slower than a larger size: a {r['step']} step padded to {r['padded']} takes "
+                  f"{r['graph_ms']:.2f} ms, one padded to {faster[0]['padded']} {faster[0]['graph_ms']:.2f} ms")
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=1))
 
