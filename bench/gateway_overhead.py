@@ -8,7 +8,8 @@ that ``bench/serving.py --backend grpc,openai`` cannot tell apart from the engin
 what bench/serving.py uses (grpc.aio; h11 with kept-alive connections). Also reported: the gateway process's CPU
 time per request.
 
-usage: python bench/gateway_overhead.py [--requests 200] [--gap-s 0.02] [--output-len 16]
+usage: python bench/gateway_overhead.py [--requests 200] [--warmup 20] [--gap-s 0.02] [--prompt-len 32]
+                                       [--output-len 16]
 """
 
 import argparse
@@ -16,7 +17,6 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -24,12 +24,10 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+from openai_stream import SseClient
 
 from kiln_cli.service_process import free_port, kiln_command
 from protos import exec_pb2, exec_pb2_grpc
-
-sys.path.insert(0, str(Path(__file__).parent))
-from openai_stream import SseClient  # noqa: E402
 
 MODEL = "stub"
 
