@@ -15,6 +15,7 @@
    and start -> ready as the client saw it.
 
 usage: python bench/start_to_ready.py [--preset llama-3-8b] [--device cuda] [--store DIR] [--runs cold,warm]
+                                     [--piecewise-capture-sizes 0]   (without mixed graphs: what they add)
        python bench/start_to_ready.py --preset tiny-llama --device cpu   (a CPU smoke run)
 """
 
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
     p.add_argument("--runtime-mode", default="", help="eager, compiled or cudagraph (default: the device's best)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
+    p.add_argument("--piecewise-capture-sizes", type=lambda t: [int(v) for v in t.split(",") if v.strip()],
+                   default=[], help="LoadModel's piecewise_capture_sizes: comma-separated token counts, 0 for no "
+                                    "mixed graphs (default: the service's)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -250,7 +254,8 @@ def main(argv: list[str] | None = None) -> list[Run]:
         mode = f"RUNTIME_MODE_{args.runtime_mode.upper()}" if args.runtime_mode else "RUNTIME_MODE_UNSPECIFIED"
         request = exec_pb2.LoadModelRequest(name=args.preset, model=model, config=config,
                                             key=common_pb2.ArtifactKey(digest=key),
-                                            runtime_mode=exec_pb2.RuntimeMode.Value(mode))
+                                            runtime_mode=exec_pb2.RuntimeMode.Value(mode),
+                                            piecewise_capture_sizes=args.piecewise_capture_sizes)
         runs, caches = [], None
         for n, label in enumerate(args.runs.split(",")):
             if label not in ("cold", "warm"):
@@ -265,8 +270,9 @@ def main(argv: list[str] | None = None) -> list[Run]:
                                  args.timeout)
             run.evicted_bytes = evicted
             runs.append(run)
+    sizes = ",".join(map(str, args.piecewise_capture_sizes)) or "the service's"
     print(f"\n{args.preset} {args.dtype} on {args.device}, dummy weights, bundle {key[:12]} in a filesystem store, "
-          f"{time.strftime('%Y-%m-%d')}")
+          f"piecewise_capture_sizes {sizes}, {time.strftime('%Y-%m-%d')}")
     print(table(runs))
     if args.json_out:
         args.json_out.write_text(json.dumps([r.__dict__ for r in runs], indent=1))
