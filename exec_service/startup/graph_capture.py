@@ -6,8 +6,9 @@ of a few blocks to measure its memory (into the same pool, which keeps it for th
 captured for good once the cache exists. No capture compiles (``expect_no_compile``).
 
 Every rank of a tensor-parallel model runs ``capture_graphs``, the one sequence of captures, at the same sizes in the
-same order: the warm-up run before each capture runs the real all-reduces, which meet only when every rank runs the
-same forwards in lockstep. The KV cache's size in between is agreed over the ranks (``size_kv``).
+same order: the warm-up run before each kind's first capture, and every capture, run the real all-reduces, which
+meet only when every rank runs the same forwards in lockstep. The KV cache's size in between is agreed over the ranks
+(``size_kv``).
 """
 
 from collections.abc import Callable, Iterator

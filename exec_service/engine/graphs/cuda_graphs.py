@@ -51,7 +51,10 @@ class CUDAGraphs:
         input_ids, positions = self.buffers.input_ids, self.buffers.positions
         for size in reversed(self.capture_sizes):
             with forward_context(ForwardContext(kv_caches, self.metadata_of(size), kv_scales)):
-                self.hidden[:size] = self.forward(input_ids[:size], positions[:size])  # warm-up
+                if not self.graphs:
+                    # One eager run before the first capture only (as vLLM captures with no warm-up of its own): the
+                    # kernels are loaded and tuned by then, and no size builds a variant of its own.
+                    self.hidden[:size] = self.forward(input_ids[:size], positions[:size])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.hidden[:size] = self.forward(input_ids[:size], positions[:size])
