@@ -3,10 +3,12 @@
 Greedy output is checked token for token against transformers' own ``generate`` on the same weights.
 """
 
+import asyncio
 import json
 import shutil
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -325,6 +327,33 @@ def test_full_waiting_queue_is_resource_exhausted(exec_stub):
     running.cancel()
     next(waiting)  # the waiting request moves up once the running one is gone
     waiting.cancel()
+
+
+def test_a_burst_of_calls_is_answered_by_the_service_not_cancelled_by_grpcs_backlog(exec_server, exec_stub):
+    """2,000 Generate calls at once on one connection, as a rate-inf benchmark sends them: more than gRPC's default
+    backlog of calls the event loop has not taken yet (1,000, then dropped at random up to 3,000, each a bare
+    CANCELLED). Every call gets the service's own answer: its tokens, or RESOURCE_EXHAUSTED naming max_num_waiting."""
+    load_model(exec_stub, "tiny-burst", max_num_seqs=4, max_num_waiting=8)
+
+    async def burst() -> list[tuple[grpc.StatusCode, str]]:
+        async with grpc.aio.insecure_channel(exec_server.address) as channel:
+            stub = exec_pb2_grpc.ExecServiceStub(channel)
+
+            async def one() -> tuple[grpc.StatusCode, str]:
+                try:
+                    async for _ in stub.Generate(exec_pb2.GenerateRequest(model="tiny-burst", prompt_ids=[1, 2, 3],
+                                                                          max_tokens=1)):
+                        pass
+                    return grpc.StatusCode.OK, ""
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code(), exc.details()
+
+            return await asyncio.gather(*(one() for _ in range(2000)))
+
+    answers = asyncio.run(burst())
+    codes = Counter(code for code, _ in answers)
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert all("max_num_waiting" in details for code, details in answers if code != grpc.StatusCode.OK)
 
 
 def test_bundle_for_another_torch_is_failed_precondition(exec_stub, compile_store, tiny_key, signer):
