@@ -11,7 +11,9 @@ import h11
 
 
 class HttpError(RuntimeError):
-    pass
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class _Connection:
@@ -64,7 +66,8 @@ class SseClient:
             if event is h11.NEED_DATA:
                 conn.receive_data(await connection.reader.read(1 << 16))
             elif isinstance(event, h11.Response) and event.status_code != 200:
-                raise HttpError(f"POST {path}: HTTP {event.status_code}")
+                connection.writer.close()  # its answer unread: not one to reuse
+                raise HttpError(event.status_code, f"POST {path}: HTTP {event.status_code}")
             elif isinstance(event, h11.Data):
                 buffer += event.data
                 while b"\n\n" in buffer:

@@ -39,11 +39,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from kiln.client.channels import connect_aio
@@ -66,6 +68,7 @@ class RequestTiming:
     output_tokens: int = 0
     done: float = 0.0
     cached_tokens: int = 0  # prompt tokens the execute service found in its prefix cache (the last message's usage)
+    error: str = ""  # a refused or failed request: its status (RESOURCE_EXHAUSTED, HTTP 429, ...)
 
 
 async def load(stub, request) -> dict:
@@ -109,6 +112,11 @@ class GrpcBackend:
                 model=self.model, prompt_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)):
             yield len(response.token_ids), response.usage.cached_tokens if response.HasField("usage") else None
 
+    @staticmethod
+    def failure(exc: Exception) -> str | None:
+        """The status a failed request counts under; None for an error that is the bench's own."""
+        return exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else None
+
 
 class OpenAIBackend:
     """Streamed /v1/completions through the gateway; ``return_token_ids`` counts the tokens of each chunk (the
@@ -117,9 +125,9 @@ class OpenAIBackend:
     name = "openai"
 
     def __init__(self, url: str, model: str):
-        from openai_stream import SseClient
+        from openai_stream import HttpError, SseClient
 
-        self.client, self.model = SseClient(url), model
+        self.client, self.model, self.http_error = SseClient(url), model, HttpError
 
     async def prepare(self, count: int) -> None:
         await self.client.open(count)
@@ -134,6 +142,9 @@ class OpenAIBackend:
             if chunk.get("usage"):
                 yield 0, chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
 
+    def failure(self, exc: Exception) -> str | None:
+        return f"HTTP {exc.status}" if isinstance(exc, self.http_error) else None
+
 
 async def send_all(backend, prompts: list[list[int]], output_len: int, offsets: list[float]
                    ) -> tuple[list[RequestTiming], float]:
@@ -142,12 +153,17 @@ async def send_all(backend, prompts: list[list[int]], output_len: int, offsets: 
     async def one(prompt: list[int], offset: float) -> RequestTiming:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         timing = RequestTiming(len(prompt), time.perf_counter())
-        async for count, cached in backend.tokens(prompt, output_len):
-            if count:
-                timing.arrivals.append(time.perf_counter())
-                timing.output_tokens += count
-            if cached is not None:
-                timing.cached_tokens = cached
+        try:
+            async for count, cached in backend.tokens(prompt, output_len):
+                if count:
+                    timing.arrivals.append(time.perf_counter())
+                    timing.output_tokens += count
+                if cached is not None:
+                    timing.cached_tokens = cached
+        except Exception as exc:  # a refused request counts as failed, as in vLLM's benchmark_serving
+            timing.error = backend.failure(exc)
+            if not timing.error:
+                raise
         timing.done = time.perf_counter()
         return timing
 
@@ -160,14 +176,18 @@ async def send_all(backend, prompts: list[list[int]], output_len: int, offsets: 
 
 def latency_metrics(timings: list[RequestTiming], duration_s: float) -> dict:
     """vLLM benchmark_serving's figures: TTFT from send to the first token, TPOT over the tokens after it, ITL between
-    successive messages, E2EL from send to the last token; milliseconds."""
+    successive messages, E2EL from send to the last token; milliseconds. Failed requests are counted by status and
+    left out of every other figure."""
+    failed = Counter(t.error for t in timings if t.error)
+    timings = [t for t in timings if not t.error]
     ttft = [(t.arrivals[0] - t.sent) * 1e3 for t in timings]
     tpot = [(t.done - t.arrivals[0]) * 1e3 / (t.output_tokens - 1) for t in timings if t.output_tokens > 1]
     itl = [(b - a) * 1e3 for t in timings for a, b in zip(t.arrivals, t.arrivals[1:], strict=False)]
     e2el = [(t.done - t.sent) * 1e3 for t in timings]
     output = sum(t.output_tokens for t in timings)
     metrics = {
-        "completed": len(timings), "duration_s": duration_s, "input_tokens": sum(t.prompt_tokens for t in timings),
+        "completed": len(timings), "failed": sum(failed.values()), "failures": dict(failed),
+        "duration_s": duration_s, "input_tokens": sum(t.prompt_tokens for t in timings),
         "output_tokens": output, "request_throughput": len(timings) / duration_s,
         "output_throughput": output / duration_s,
         "total_token_throughput": (output + sum(t.prompt_tokens for t in timings)) / duration_s,
@@ -209,13 +229,14 @@ async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, ra
                                for s in stats]
     busiest = max(stats, key=lambda s: s.count, default=None)
     result["typical_step"] = (busiest.batch_size, busiest.median_ms) if busiest else None
+    tokens = max(1, result["output_tokens"])  # CPU per token: none when every request failed
     if cpu_before is not None:
         cpu_after = thread_cpu_s(exec_pid)
         for key in cpu_before:
-            result[f"{key}_cpu_ms_per_token"] = (cpu_after[key] - cpu_before[key]) * 1e3 / result["output_tokens"]
+            result[f"{key}_cpu_ms_per_token"] = (cpu_after[key] - cpu_before[key]) * 1e3 / tokens
     if gateway_before is not None:
         gateway_s = sum(thread_cpu_s(gateway_pid).values()) - gateway_before
-        result["gateway_cpu_ms_per_token"] = gateway_s * 1e3 / result["output_tokens"]
+        result["gateway_cpu_ms_per_token"] = gateway_s * 1e3 / tokens
     print_result(result)
     print_step_series(stats)
     return result
@@ -242,6 +263,9 @@ def print_result(r: dict) -> None:
     print(f"Traffic request rate: {r['request_rate']}")
     section(" Serving Benchmark Result ", "=")
     line("Successful requests:", r["completed"], "")
+    if r["failed"]:
+        line("Failed requests:", f"{r['failed']} ({', '.join(f'{k} {v}' for k, v in sorted(r['failures'].items()))})",
+             "")
     line("Benchmark duration (s):", r["duration_s"])
     line("Total input tokens:", r["input_tokens"], "")
     line("Total generated tokens:", r["output_tokens"], "")

@@ -43,6 +43,26 @@ def test_serving_bench_reports_each_rate_as_vllm_does(exec_server, tiny_loaded, 
     assert "| backend | request rate (req/s) | output tok/s | TTFT p50 ms" in proc.stdout
 
 
+def test_requests_the_service_refuses_are_counted_as_failed_not_the_end_of_the_run(exec_server, exec_stub, tmp_path):
+    """A rate-inf burst at a model whose queue holds one request: the refused ones are counted by their status, as
+    vLLM's benchmark_serving counts failures, and every figure comes from the requests that were served."""
+    from conftest import load_model
+
+    load_model(exec_stub, "tiny-one-queued", max_num_seqs=1, max_num_waiting=1)
+    out = tmp_path / "serving.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/serving.py", "--exec-server", exec_server.address, "--model", "tiny-one-queued",
+         "--preset", "tiny-llama", "--requests", "12", "--request-rate", "inf", "--min-prompt", "4", "--max-prompt",
+         "40", "--output-len", "6", "--json-out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rate,) = json.loads(out.read_text())["rates"]
+    assert rate["failed"] == rate["failures"]["RESOURCE_EXHAUSTED"] > 0
+    assert rate["completed"] + rate["failed"] == 12 and rate["output_tokens"] == 6 * rate["completed"]
+    assert re.search(rf"^Failed requests: +{rate['failed']} \(RESOURCE_EXHAUSTED {rate['failed']}\) *$",
+                     proc.stdout, re.M)
+
+
 def test_serving_bench_runs_grpc_and_the_openai_gateway_side_by_side(exec_server, tiny_loaded, tmp_path):
     """--backend grpc,openai,grpc: the same requests on gRPC, then through kiln api-server started in front of the
     execute service, then on gRPC again, against the same model: the same block for each pass, the gateway's with
