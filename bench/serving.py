@@ -356,6 +356,7 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
                                       compile_pb2.CompileRequest(model=spec, config=config))
             cold_compile_s = time.perf_counter() - started
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
+                                            max_num_waiting=args.max_num_waiting,
                                             max_model_len=args.max_prompt + args.output_len + 16,
                                             piecewise_capture_sizes=args.piecewise_capture_sizes,
                                             kv_cache_dtype=args.kv_cache_dtype,
@@ -501,6 +502,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-waiting", type=int, default=0,
+                   help="LoadModel's max_num_waiting (default: the service's, 256): a rate-inf run of more requests "
+                        "than this plus --max-num-seqs sees the rest refused")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--piecewise-capture-sizes", type=lambda t: [int(v) for v in t.split(",") if v.strip()],
                    default=[], help="LoadModel's piecewise_capture_sizes: comma-separated token counts, 0 for none "

@@ -4,6 +4,7 @@ per-rate CSV, and figures that hang together."""
 import asyncio
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -120,3 +121,20 @@ def test_the_bench_http_client_drops_a_kept_alive_connection_the_server_closed()
 
     got, connections = asyncio.run(run())
     assert got == [{"n": 1}, {"n": 1}] and connections == 2
+
+
+def test_the_bench_loads_its_own_model_with_the_queue_bound_it_is_given(tmp_path):
+    """Without --exec-server the bench starts its own compile and execute services and loads the model with its
+    flags: with --max-num-waiting 4 and --max-num-seqs 2, a rate-inf burst of 24 sees most requests refused (the
+    default bound, 256, would take them all)."""
+    out = tmp_path / "serving.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/serving.py", "--device", "cpu", "--preset", "tiny-llama", "--dtype", "float32",
+         "--requests", "24", "--request-rate", "inf", "--min-prompt", "4", "--max-prompt", "40", "--output-len", "4",
+         "--max-num-seqs", "2", "--max-num-waiting", "4", "--max-num-batched-tokens", "64", "--skip-hf",
+         "--json-out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rate,) = json.loads(out.read_text())["rates"]
+    assert rate["failures"] == {"RESOURCE_EXHAUSTED": rate["failed"]} and rate["failed"] > 0
+    assert rate["completed"] + rate["failed"] == 24 and rate["output_tokens"] == 4 * rate["completed"]
