@@ -1,5 +1,5 @@
-"""`bench/serving.py --request-rate` against the session's real execute service: vLLM's result block per rate, the
-per-rate CSV, and figures that hang together."""
+"""`bench/serving.py --request-rate` against the session's real execute service (and once with services of its
+own): vLLM's result block per rate, the per-rate CSV, failures counted, and figures that hang together."""
 
 import asyncio
 import csv
@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import load_model
 
 ROOT = Path(__file__).parents[1]
 
@@ -47,8 +49,6 @@ def test_serving_bench_reports_each_rate_as_vllm_does(exec_server, tiny_loaded, 
 def test_requests_the_service_refuses_are_counted_as_failed_not_the_end_of_the_run(exec_server, exec_stub, tmp_path):
     """A rate-inf burst at a model whose queue holds one request: the refused ones are counted by their status, as
     vLLM's benchmark_serving counts failures, and every figure comes from the requests that were served."""
-    from conftest import load_model
-
     load_model(exec_stub, "tiny-one-queued", max_num_seqs=1, max_num_waiting=1)
     out = tmp_path / "serving.json"
     proc = subprocess.run(
