@@ -339,7 +339,7 @@ def _decode_reduce_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "num_rows"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -353,6 +353,7 @@ def _prefill_kernel(
     qk_scale,
     cap_scale,
     window,
+    num_rows,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -380,11 +381,25 @@ def _prefill_kernel(
     The context splits into three runs of tiles: those a window edge crosses for some row (masked by window and
     causality), those inside every row's window and before every row (unmasked), and the causal diagonal (masked).
     Without a window the first run is empty. KV_SCALED as in the decode kernel.
+
+    Grid: (query blocks, heads), the blocks of all rows in one run (vLLM's unified attention): row i's blocks are
+    numbered from ``query_start_loc[i] // BLOCK_M + i``, which leaves room for each row's ceil(q_len / BLOCK_M)
+    blocks, so ``tokens // BLOCK_M + rows`` programs cover every row, and a program finds its row by a binary search
+    of the query starts. Programs past a row's queries (a row's unused numbers, padding rows) return at once.
     """
-    m_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    lo = 0
+    hi = num_rows - 1
+    while lo < hi:  # the last row whose first block number is at most this program's
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= block:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
     q_start = tl.load(query_start_loc_ptr + seq)
+    m_block = block - (q_start // BLOCK_M + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len or (SKIP_DECODES and q_len == 1):
         return
@@ -656,7 +671,7 @@ def _prefill(
     block_m, block_n, num_warps, num_stages = PREFILL_CONFIGS[q.element_size()]
     if block_d > 128:  # keep the fp32 accumulator of a wide head (Gemma's 256) in registers
         block_m //= 2
-    grid = (triton.cdiv(meta.max_query_len, block_m), batch, num_heads)
+    grid = (q.shape[0] // block_m + batch, num_heads)
     qk_scale, cap_scale = _scales(scale, softcap)
     _prefill_kernel[grid](
         q,
@@ -670,6 +685,7 @@ def _prefill(
         qk_scale,
         cap_scale,
         window,
+        batch,
         *q.stride(),
         *k_cache.stride(),
         meta.block_tables.stride(0),
