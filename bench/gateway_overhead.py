@@ -14,7 +14,6 @@ usage: python bench/gateway_overhead.py [--requests 200] [--warmup 20] [--gap-s 
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import grpc
 from openai_stream import SseClient
+from serving import process_cpu_s
 
 from kiln_cli.service_process import free_port, kiln_command
 from protos import exec_pb2, exec_pb2_grpc
@@ -41,11 +41,6 @@ class StubExec(exec_pb2_grpc.ExecServiceServicer):
             yield exec_pb2.GenerateResponse(
                 token_ids=[i + 1], finish_reason=exec_pb2.FINISH_REASON_LENGTH if last else 0,
                 usage=exec_pb2.Usage(prompt_tokens=len(request.prompt_ids), output_tokens=i + 1) if last else None)
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_until_answering(url: str, child: subprocess.Popen, log: Path) -> None:
@@ -104,13 +99,13 @@ async def run(args) -> None:
                 for i in range(args.warmup + args.requests):
                     for path in ("grpc", "openai") if i % 2 else ("openai", "grpc"):
                         await asyncio.sleep(args.gap_s)
-                        before = cpu_s(child.pid)
+                        before = process_cpu_s(child.pid)
                         ttft = await (grpc_ttft(stub, prompt, args.output_len) if path == "grpc"
                                       else http_ttft(client, prompt, args.output_len))
                         if i >= args.warmup:
                             times[path].append(ttft)
                             if path == "openai":
-                                gateway_cpu += cpu_s(child.pid) - before
+                                gateway_cpu += process_cpu_s(child.pid) - before
             await client.close()
         finally:
             child.terminate()

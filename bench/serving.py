@@ -19,11 +19,13 @@
 `--backend openai` sends the same requests through the OpenAI-compatible gateway instead (streamed
 `/v1/completions`, as vLLM's benchmark_serving sends them to vLLM): `kiln api-server` started as a child process in
 front of the execute service, or a running one at `--api-url`. The result block is the same, plus the gateway's CPU
-time per output token when it runs here. `--backend grpc,openai` runs both in turn against the same loaded model,
-each at every rate: what the gateway costs, side by side.
+time per output token when it runs here. `--backend openai-exec` sends them to the execute service's own OpenAI
+endpoint (`kiln exec-server --openai-port`: the same app in the service's process, no gateway hop). `--backend
+grpc,openai,openai-exec` runs each in turn against the same loaded model, at every rate: what each path costs, side
+by side.
 
 usage: python bench/serving.py [--preset llama-3-8b] [--requests 128] [--request-rate 2,8,32,inf] [--json-out F]
-                               [--backend grpc|openai|grpc,openai] [--tensor-parallel-size 2 --skip-hf]
+                               [--backend grpc|openai|openai-exec|grpc,openai,...] [--tensor-parallel-size 2]
 """
 
 import argparse
@@ -122,12 +124,10 @@ class OpenAIBackend:
     """Streamed /v1/completions through the gateway; ``return_token_ids`` counts the tokens of each chunk (the
     dummy-weight presets have no tokenizer, so there is no text to count)."""
 
-    name = "openai"
-
-    def __init__(self, url: str, model: str):
+    def __init__(self, url: str, model: str, name: str = "openai"):
         from openai_stream import HttpError, SseClient
 
-        self.client, self.model, self.http_error = SseClient(url), model, HttpError
+        self.client, self.model, self.http_error, self.name = SseClient(url), model, HttpError, name
 
     async def prepare(self, count: int) -> None:
         await self.client.open(count)
@@ -199,19 +199,22 @@ def latency_metrics(timings: list[RequestTiming], duration_s: float) -> dict:
     return metrics
 
 
+def _cpu_s(stat: Path) -> float:
+    """utime + stime of a /proc stat file, in seconds."""
+    text = stat.read_text()
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3 of proc(5)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of a whole process, threads that have ended included (a sum over its live threads is not)."""
+    return _cpu_s(Path(f"/proc/{pid}/stat"))
+
+
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds of a process's main thread (the execute service's event loop) and of all its other threads."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    cpu = {"event_loop": 0.0, "other_threads": 0.0}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 3 of proc(5)
-        seconds = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime: fields 14 and 15
-        cpu["event_loop" if task.name == str(pid) else "other_threads"] += seconds
-    return cpu
+    event_loop = _cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
+    return {"event_loop": event_loop, "other_threads": process_cpu_s(pid) - event_loop}
 
 
 async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, rate: float, exec_pid: int | None,
@@ -219,7 +222,7 @@ async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, ra
     """One rate through ``backend`` (a GrpcBackend or an OpenAIBackend)."""
     await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model, reset=True))
     cpu_before = thread_cpu_s(exec_pid) if exec_pid else None
-    gateway_before = sum(thread_cpu_s(gateway_pid).values()) if gateway_pid else None
+    gateway_before = process_cpu_s(gateway_pid) if gateway_pid else None
     timings, duration = await send_all(backend, prompts, args.output_len,
                                        arrival_offsets(len(prompts), rate, args.seed))
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
@@ -235,7 +238,7 @@ async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, ra
         for key in cpu_before:
             result[f"{key}_cpu_ms_per_token"] = (cpu_after[key] - cpu_before[key]) * 1e3 / tokens
     if gateway_before is not None:
-        gateway_s = sum(thread_cpu_s(gateway_pid).values()) - gateway_before
+        gateway_s = process_cpu_s(gateway_pid) - gateway_before
         result["gateway_cpu_ms_per_token"] = gateway_s * 1e3 / tokens
     print_result(result)
     print_step_series(stats)
@@ -328,13 +331,15 @@ def gateway(args, exec_address: str, logdir: Path) -> Iterator[tuple[str | None,
 
 
 async def sweep(address: str, model: str, prompts: list[list[int]], args, exec_pid: int | None,
-                api_url: str | None = None, gateway_pid: int | None = None) -> list[dict]:
+                api_url: str | None = None, gateway_pid: int | None = None,
+                exec_api_url: str | None = None) -> list[dict]:
     """Every --request-rate through every --backend in turn, against the same loaded model (side by side)."""
     results = []
     async with connect_aio(address) as channel:
         stub = exec_pb2_grpc.ExecServiceStub(channel)
         for name in args.backend:
-            backend = OpenAIBackend(api_url, model) if name == "openai" else GrpcBackend(stub, model)
+            backend = (OpenAIBackend(api_url, model) if name == "openai" else
+                       OpenAIBackend(exec_api_url, model, name) if name == "openai-exec" else GrpcBackend(stub, model))
             await send_all(backend, prompts[:8], 8, [0.0] * min(8, len(prompts)))  # warm-up
             results += [await run_rate(stub, backend, model, prompts, args, rate, exec_pid,
                                        gateway_pid if name == "openai" else None) for rate in args.request_rate]
@@ -342,7 +347,8 @@ async def sweep(address: str, model: str, prompts: list[list[int]], args, exec_p
 
 
 async def kiln_run(args, prompts, tmp: Path) -> dict:
-    services = LocalServices(tmp, tmp / "store")
+    exec_api_port = free_port() if "openai-exec" in args.backend else None
+    services = LocalServices(tmp, tmp / "store", openai_port=exec_api_port)
     try:
         services.start(300)
         spec = model_spec(args.preset, args.dtype)
@@ -357,6 +363,7 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             cold_compile_s = time.perf_counter() - started
         request = exec_pb2.LoadModelRequest(name="bench", model=spec, config=config, max_num_seqs=args.max_num_seqs,
                                             max_num_waiting=args.max_num_waiting,
+                                            stream_interval=args.stream_interval,
                                             max_model_len=args.max_prompt + args.output_len + 16,
                                             piecewise_capture_sizes=args.piecewise_capture_sizes,
                                             kv_cache_dtype=args.kv_cache_dtype,
@@ -371,7 +378,7 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
             second = await load(stub, request)
         with gateway(args, services.exec.address, tmp) as (api_url, gateway_pid):
             rates = await sweep(services.exec.address, "bench", prompts, args, services.exec.process.pid, api_url,
-                                gateway_pid)
+                                gateway_pid, exec_api_port and f"http://127.0.0.1:{exec_api_port}")
         services.stop()
     except BaseException:
         print(services.log_tails())
@@ -482,10 +489,10 @@ def parse_rates(text: str) -> list[float]:
 
 def parse_backends(text: str) -> list[str]:
     backends = [b.strip() for b in text.split(",") if b.strip()]
-    unknown = sorted(set(backends) - {"grpc", "openai"})
+    unknown = sorted(set(backends) - {"grpc", "openai", "openai-exec"})
     if unknown or not backends:
-        raise argparse.ArgumentTypeError(f"{text!r}: grpc, openai or both, comma-separated (a name again: a pass "
-                                         "more, e.g. grpc,openai,grpc,openai alternates them)")
+        raise argparse.ArgumentTypeError(f"{text!r}: grpc, openai, openai-exec or several, comma-separated (a name "
+                                         "again: a pass more, e.g. grpc,openai,grpc,openai alternates them)")
     return backends
 
 
@@ -505,6 +512,8 @@ def main() -> None:
     p.add_argument("--max-num-waiting", type=int, default=0,
                    help="LoadModel's max_num_waiting (default: the service's, 256): a rate-inf run of more requests "
                         "than this plus --max-num-seqs sees the rest refused")
+    p.add_argument("--stream-interval", type=int, default=0,
+                   help="LoadModel's stream_interval (default: the service's, 1): tokens a stream sends at a time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--piecewise-capture-sizes", type=lambda t: [int(v) for v in t.split(",") if v.strip()],
                    default=[], help="LoadModel's piecewise_capture_sizes: comma-separated token counts, 0 for none "
@@ -514,8 +523,9 @@ def main() -> None:
     p.add_argument("--backend", type=parse_backends, default=["grpc"],
                    help="grpc: Generate on the execute service; openai: streamed /v1/completions through kiln "
                         "api-server (started here in front of the execute service unless --api-url names one); "
-                        "grpc,openai: both in turn, against the same loaded model; names repeated run more passes "
-                        "in that order (grpc,openai,openai,grpc), so neither always goes second")
+                        "openai-exec: the same to the execute service's own endpoint (--openai-port); several, "
+                        "comma-separated: each in turn, against the same loaded model; names repeated run more "
+                        "passes in that order (grpc,openai,openai,grpc), so none always goes second")
     p.add_argument("--api-url", default="", help="with --backend openai: a running gateway, e.g. http://host:8000")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="load with prefix caching off (always, when --backend runs more than one pass)")
@@ -536,6 +546,8 @@ def main() -> None:
                for _ in range(args.requests)]
     if args.api_url and "openai" not in args.backend:
         p.error("--api-url needs --backend openai")
+    if args.exec_server and "openai-exec" in args.backend:
+        p.error("--backend openai-exec: the bench starts the execute service with its endpoint; drop --exec-server")
     if args.exec_server:
         with tempfile.TemporaryDirectory() as tmp, gateway(args, args.exec_server, Path(tmp)) as (api_url, pid):
             result = {"rates": asyncio.run(sweep(args.exec_server, args.model, prompts, args, None, api_url, pid))}
@@ -570,7 +582,8 @@ def main() -> None:
         print("\n| system | output tokens | wall s | output tokens/s | vs transformers |")
         print("|---|---|---|---|---|")
         ratio = f"{saturated['output_throughput'] / hf['tokens_per_s']:.1f}x" if "tokens_per_s" in hf else "-"
-        via = "OpenAI gateway" if saturated["backend"] == "openai" else "gRPC"
+        via = {"openai": "OpenAI gateway", "openai-exec": "the execute service's OpenAI endpoint"}.get(
+            saturated["backend"], "gRPC")
         print(f"| Kiln ({via}, CUDA graphs), rate {saturated['request_rate']:g} | {saturated['output_tokens']} | "
               f"{saturated['duration_s']:.1f} | {saturated['output_throughput']:.0f} | {ratio} |")
         if "tokens_per_s" in hf:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exec_service.api.servicer import SERVICE_NAME, ExecServicer
+from exec_service.openai.local_client import LocalExecClient
+from exec_service.openai.server import ApiServer, ApiServerSettings
 from exec_service.startup.fetch import COMPILE_CHANNEL_OPTIONS, BundleFetcher
 from exec_service.telemetry.exec_telemetry import ExecTelemetry
 from exec_service.telemetry.metrics import EngineLoad, ExecMetrics
@@ -60,6 +62,9 @@ class ExecServerSettings:
     # Clients reconnect after this long (--max-connection-age-s), so they find replicas added behind a DNS name;
     # None: never asked to.
     max_connection_age_s: float | None = DEFAULT_MAX_CONNECTION_AGE_S
+    # The service's own OpenAI-compatible endpoint (--openai-port), its ``target`` unused: requests go to this
+    # process's servicer, with no gRPC hop (exec_service.openai.local_client). None: no HTTP endpoint.
+    openai: ApiServerSettings | None = None
 
 
 class ExecServer(Server):
@@ -69,8 +74,12 @@ class ExecServer(Server):
     def __init__(self, telemetry: ExecTelemetry, security: ServerSecurity, max_connection_age_s: float | None):
         super().__init__([SERVICE_NAME], server_interceptors(), security, max_connection_age_s)
         self.telemetry = telemetry
+        self.api_server: ApiServer | None = None  # the OpenAI endpoint, when it has one
+        self.api_port: int | None = None
 
     async def stop(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+        if self.api_server is not None:  # its streams finish within the same grace, then the gRPC server's
+            await asyncio.to_thread(self.api_server.stop)
         await super().stop(grace)
         await asyncio.to_thread(self.telemetry.close)
 
@@ -109,6 +118,12 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     exec_pb2_grpc.add_ExecServiceServicer_to_server(servicer, server.server)
     server.on_grace_ending = servicer.end_streams
     port = await server.start(settings.address)
+    if settings.openai is not None:
+        tokens = settings.security.tokens
+        server.api_server = ApiServer(settings.openai, client_factory=lambda: LocalExecClient(servicer, tokens))
+        server.api_port = await asyncio.to_thread(server.api_server.start)
+        log.info("OpenAI-compatible API on %s://%s:%d/v1, served in this process",
+                 "https" if settings.openai.https_cert else "http", settings.openai.host, server.api_port)
     log.info("exec service listening on %s (port %d), compile service %s, %s %s, trusting %s, model roots: %s",
              settings.address, port, settings.compile_address or "none",
              "shared store" if shared else "cache", store.location,

@@ -47,6 +47,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-connection-age-s", type=_connection_age, default=DEFAULT_MAX_CONNECTION_AGE_S,
                    help="seconds after which a client is asked to reconnect, so gateways resolving a DNS name find "
                         "replicas added behind it; calls in flight are never cut; 0: never (default: %(default)s)")
+    p.add_argument("--openai-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible API (kiln api-server's endpoints) on this HTTP port of the "
+                        "same host, from this process: no gateway hop; bearer tokens checked as on gRPC (default: off)")
+    p.add_argument("--https-cert", default=os.environ.get("KILN_HTTPS_CERT"),
+                   help="with --openai-port: serve HTTPS, this certificate (PEM)")
+    p.add_argument("--https-key", default=os.environ.get("KILN_HTTPS_KEY"), help="its private key (PEM)")
     metrics_args.add_metrics_arg(p)
     security_args.add_server_args(p)
     security_args.add_client_args(p)  # towards the compile service
@@ -76,6 +82,9 @@ def register(subparsers) -> None:
                    help="batch sizes with a CUDA graph (default: 1,2,4 and the multiples of 8 up to max_num_seqs)")
     p.add_argument("--max-num-waiting", type=int, default=0,
                    help="requests that may wait for a slot before Generate answers RESOURCE_EXHAUSTED (default: 256)")
+    p.add_argument("--stream-interval", type=int, default=0, metavar="N",
+                   help="tokens a stream gathers before it sends them, after its first token at once: fewer messages "
+                        "per token under load, tokens in bursts of N (default: 1, every token as it comes)")
     p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3", "fp8"],
                    help="fp8_e4m3: keys and values in FP8, twice the blocks (default: the model's dtype)")
     p.add_argument("--kv-cache-scale", type=float, default=0.0,
@@ -159,6 +168,17 @@ def load_request_json(text: str) -> exec_pb2.LoadModelRequest:
         raise argparse.ArgumentTypeError(f"not a LoadModelRequest: {exc}") from None
 
 
+def openai_settings(args, security):
+    """--openai-port: the endpoint's ApiServerSettings, on the gRPC server's host, under its shutdown grace and
+    request cap; None without it."""
+    from exec_service.openai.server import ApiServerSettings
+
+    if args.openai_port is None:
+        return None
+    return ApiServerSettings(args.host, args.openai_port, "", https_cert=args.https_cert, https_key=args.https_key,
+                             shutdown_grace_s=args.shutdown_grace_s, max_request_bytes=security.max_request_bytes)
+
+
 def run_exec_server(args) -> int:
     from exec_service.server import DEFAULT_CACHE_DIR, ExecServerSettings, start_exec_server
     from exec_service.telemetry.metrics import ExecMetrics
@@ -169,6 +189,10 @@ def run_exec_server(args) -> int:
         return security_args.refuse_setting(ValueError(
             "the execute service loads only signed bundles: pass --trusted-keys FILE|DIR (or KILN_TRUSTED_KEYS) "
             "with the compile service's public key (`kiln keygen DIR` writes DIR/signing.pub)"))
+    if bool(args.https_cert) != bool(args.https_key):
+        return security_args.refuse_setting(ValueError("--https-cert and --https-key go together"))
+    if args.https_cert and args.openai_port is None:
+        return security_args.refuse_setting(ValueError("--https-cert: serves the --openai-port endpoint; name it"))
     trusted = TrustedKeys.load(args.trusted_keys)
     security = security_args.server_security(args)
     client = security_args.client_security(args)
@@ -176,7 +200,8 @@ def run_exec_server(args) -> int:
     settings = ExecServerSettings(f"{args.host}:{args.port}", trusted, args.compile_server or None, args.store,
                                   args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args),
                                   tuple(args.load), hub=security_args.hub_cache(args),
-                                  max_connection_age_s=args.max_connection_age_s or None)
+                                  max_connection_age_s=args.max_connection_age_s or None,
+                                  openai=openai_settings(args, security))
     metrics = metrics_args.start_metrics(args, ExecMetrics)
     try:
         serve_until_signal(lambda: start_exec_server(settings, metrics=metrics.collector if metrics else None),
@@ -203,6 +228,7 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
         block_size=args.block_size, capture_sizes=args.capture_sizes, max_num_waiting=args.max_num_waiting,
+        stream_interval=args.stream_interval,
         runtime_mode=runtime_mode_to_proto(args.runtime_mode), piecewise_capture_sizes=args.piecewise_capture_sizes,
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_scale=args.kv_cache_scale,
         tensor_parallel_size=args.tensor_parallel_size)

@@ -126,10 +126,11 @@ class LocalServices:
     run when no server address is given. ``start()`` returns once both are healthy; ``stop()`` sends each SIGTERM.
 
     Bundles are signed as anywhere else: with a key pair kept beside the store (``<store>.keys``, made on first
-    use), so a kept store stays loadable from one run to the next.
+    use), so a kept store stays loadable from one run to the next. With ``openai_port`` the execute service serves
+    its own OpenAI endpoint there too (--openai-port).
     """
 
-    def __init__(self, workdir: Path, store: Path, env: dict | None = None):
+    def __init__(self, workdir: Path, store: Path, env: dict | None = None, openai_port: int | None = None):
         from kiln.store.signing import generate_key_pair, local_keys_dir  # cryptography: only where servers are started
 
         compile_port, exec_port = free_port(), free_port()
@@ -142,7 +143,8 @@ class LocalServices:
         self.exec = ServiceProcess(
             "exec", kiln_command("exec-server", "--host", "127.0.0.1", "--port", str(exec_port),
                                  "--compile-server", self.compile.address, "--cache", str(workdir / "exec-cache"),
-                                 "--trusted-keys", str(public_key)),
+                                 "--trusted-keys", str(public_key),
+                                 *(("--openai-port", str(openai_port)) if openai_port is not None else ())),
             f"127.0.0.1:{exec_port}", workdir / "exec.log", env)
         self.started: list[ServiceProcess] = []
 

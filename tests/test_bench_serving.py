@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from conftest import load_model
@@ -138,3 +140,25 @@ def test_the_bench_loads_its_own_model_with_the_queue_bound_it_is_given(tmp_path
     (rate,) = json.loads(out.read_text())["rates"]
     assert rate["failures"] == {"RESOURCE_EXHAUSTED": rate["failed"]} and rate["failed"] > 0
     assert rate["completed"] + rate["failed"] == 24 and rate["output_tokens"] == 4 * rate["completed"]
+
+
+def test_a_process_cpu_time_keeps_the_threads_that_have_ended():
+    """The gateway's CPU per token is its whole process's: a thread that burnt CPU and ended is still counted (a sum
+    over the live threads lost it, ~7% of the gateway's CPU), and the execute service's other threads are the
+    process's time less its event loop's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from serving import process_cpu_s, thread_cpu_s
+
+    def burn() -> None:
+        deadline = time.thread_time() + 0.3
+        while time.thread_time() < deadline:
+            pass
+
+    before, threads_before = process_cpu_s(os.getpid()), thread_cpu_s(os.getpid())
+    worker = threading.Thread(target=burn)
+    worker.start()
+    worker.join()
+    threads_after = thread_cpu_s(os.getpid())
+    assert process_cpu_s(os.getpid()) - before >= 0.25  # clock ticks of 10 ms
+    assert threads_after["other_threads"] - threads_before["other_threads"] >= 0.25
+    assert threads_after["event_loop"] - threads_before["event_loop"] < 0.1

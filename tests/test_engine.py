@@ -146,6 +146,29 @@ def test_a_bug_outside_a_step_ends_every_request_instead_of_hanging(engine):
         asyncio.run(outcome(engine, request("after")))
 
 
+def test_tokens_held_by_the_stream_interval_go_out_before_a_failed_steps_error():
+    """stream_interval 4 on a request whose fifth step fails: its first token came alone, the next three were held,
+    and they reach the client before the step's INTERNAL, equal to the tokens the request has alone."""
+    engine = Engine("tiny", tiny_runner(), dataclasses.replace(CONFIG, stream_interval=4), frozenset())
+    engine.start()
+
+    async def messages(seq):
+        sent = []
+        async for output in engine.add_request(seq):
+            sent.append(output.error if output.error is not None else output.token_ids)
+        return sent
+
+    try:
+        alone = asyncio.run(messages(request("alone", max_tokens=10)))
+        engine.runner.execute.arm(5)
+        failed = asyncio.run(messages(request("fails", max_tokens=10)))
+    finally:
+        engine.stop()
+    assert [len(tokens) for tokens in alone] == [1, 4, 4, 1]
+    assert [len(tokens) for tokens in failed[:-1]] == [1, 3] and isinstance(failed[-1], Internal)
+    assert failed[0] + failed[1] == (alone[0] + alone[1])[:4]
+
+
 class StillRunning:
     """The device slower than the host, on demand: each launched step says it has not finished yet when the engine
     asks (``LaunchedStep.done``), so the engine overlaps every step with the next, as on a busy GPU."""

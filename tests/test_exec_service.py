@@ -329,6 +329,25 @@ def test_full_waiting_queue_is_resource_exhausted(exec_stub):
     waiting.cancel()
 
 
+def test_a_stream_interval_sends_the_first_token_alone_then_n_at_a_time(exec_stub, tiny_loaded):
+    """stream_interval 3: 8 tokens come as messages of 1, 3, 3 and 1 (the first at once, the last with what has
+    gathered), the same tokens the default interval streams one per message; ModelSizing says what was chosen, and an
+    interval past its bound is refused naming the field."""
+    ready = load_model(exec_stub, "tiny-interval", stream_interval=3)[-1].ready
+    assert ready.stream_interval == 3 and tiny_loaded[-1].ready.stream_interval == 1
+    fields = dict(prompt_ids=prompt_of(5), max_tokens=8, temperature=0.0, ignore_eos=True)
+    paced = list(exec_stub.Generate(exec_pb2.GenerateRequest(model="tiny-interval", **fields)))
+    each = list(exec_stub.Generate(exec_pb2.GenerateRequest(model="tiny", **fields)))
+    assert [len(m.token_ids) for m in paced] == [1, 3, 3, 1]
+    assert [len(m.token_ids) for m in each] == [1] * 8
+    assert [t for m in paced for t in m.token_ids] == [t for m in each for t in m.token_ids]
+    assert paced[-1].finish_reason == each[-1].finish_reason and paced[-1].usage.output_tokens == 8
+    exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-interval"))
+    with pytest.raises(grpc.RpcError) as exc:
+        load_model(exec_stub, "tiny-interval", stream_interval=257)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream_interval" in exc.value.details()
+
+
 def test_a_burst_of_calls_is_answered_by_the_service_not_cancelled_by_grpcs_backlog(exec_server, exec_stub):
     """2,000 Generate calls at once on one connection, as a rate-inf benchmark sends them: more than gRPC's default
     backlog of calls the event loop has not taken yet (1,000, then dropped at random up to 3,000, each a bare

@@ -123,6 +123,7 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                         gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
                         capture_sizes=capture_sizes, max_num_waiting=max_num_waiting,
+                        stream_interval=request.stream_interval or 1,
                         kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
                         quantization=compile_config.quantization,
                         enable_prefix_caching=not request.HasField("enable_prefix_caching")

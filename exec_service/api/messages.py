@@ -25,6 +25,7 @@ def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:
         dtype=s.dtype, kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization,
         prefix_caching=s.prefix_caching, piecewise_capture_sizes=s.piecewise_capture_sizes,
         piecewise_graph_bytes=s.piecewise_graph_bytes, tensor_parallel_size=s.tensor_parallel_size,
+        stream_interval=s.stream_interval,
         timings=[common_pb2.PhaseTiming(phase=phase, seconds=seconds) for phase, seconds in s.timings])
 
 

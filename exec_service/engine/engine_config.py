@@ -30,6 +30,7 @@ class EngineConfig:
     # Mixed graphs: token counts of prefill and mixed steps, () for none (complete: defaults filled in at the edge).
     piecewise_capture_sizes: tuple[int, ...] = ()
     tensor_parallel_size: int = 1  # ranks, one process each; rank 0 (this process) schedules
+    stream_interval: int = 1  # tokens a stream sends at a time after its first (exec_service.engine.engine_loop)
 
     @property
     def max_blocks_per_seq(self) -> int:

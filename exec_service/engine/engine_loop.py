@@ -8,7 +8,10 @@ N+1, whose token is dropped. When step N is already done by the time step N+1 wo
 slower one, as on a CPU), nothing is overlapped any more: step N is read first, so its tokens are not held back by
 step N+1's preparation. Requests and cancellations arrive from the event loop through an inbox and are applied
 between steps. Each step's tokens go back to the Generate handlers through their RequestStreams; a step that fails
-fails its requests only, and the loop goes on.
+fails its requests only, and the loop goes on. With a stream interval of n > 1, a sequence's tokens after its first
+are held here until n have gathered (or it ends), so each handler wakes, and each client gets a message, once per n
+tokens rather than once per step: at high concurrency the handlers' event loop competes with this thread for the
+host (vLLM's --stream-interval).
 
 A request for n sequences of one prompt is one sequence first: the n-1 others wait here until its first token is
 read, so its prompt's KV has been computed before theirs is scheduled, and prefix caching can hand them its blocks
@@ -76,6 +79,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._seeds = random.Random()  # noise seeds for requests that bring none
         self._streams: dict[Sequence, RequestStream] = {}
+        self._unsent: dict[Sequence, RequestOutput] = {}  # tokens held back by the stream interval
         self._inbox: list[InboxMessage] = []
         self._held: dict[Sequence, list[Sequence]] = {}  # a request's first sequence -> the others, until its token
         self._num_held = 0  # read on the event loop (num_waiting), so not summed over _held there
@@ -243,6 +247,7 @@ class Engine:
             self._release_held(seq)
         for seq in [seq for seq in self._streams if seq.request_id == request_id]:
             del self._streams[seq]
+            self._unsent.pop(seq, None)
         if cancelled:
             log.info("%s: request %s cancelled", self.name, request_id)
 
@@ -251,6 +256,7 @@ class Engine:
             seq.finish(FinishReason.STOP)
             self.scheduler.drop(seq)
         self._streams.pop(seq, None)
+        self._unsent.pop(seq, None)  # a stop string ended it on the event loop: what followed is not sent
         for sibling in self._release_held(seq):  # none once it has output, but never left waiting for it
             self.scheduler.add(sibling)
 
@@ -278,11 +284,23 @@ class Engine:
             else:
                 stream, output = self._streams.get(seq), RequestOutput([token_id], index=seq.index,
                                                                        logprobs=logprobs)
-            if stream is not None:
+            if stream is not None and (output := self._paced(seq, output)) is not None:
                 outputs.append((stream, output))
             for sibling in self._release_held(seq):  # its prompt's KV is computed: the others may reuse it now
                 self.scheduler.add(sibling)
         deliver(outputs)
+
+    def _paced(self, seq: Sequence, output: RequestOutput) -> RequestOutput | None:
+        """``output`` with the tokens held back before it, when it is to be sent now: the sequence's first token,
+        its last output, or stream_interval tokens gathered; None while it is held."""
+        held = self._unsent.pop(seq, None)
+        if held is not None:
+            output = held.then(output)
+        if (output.is_last or len(output.token_ids) >= self.config.stream_interval
+                or seq.num_tokens - seq.num_prompt_tokens == 1):
+            return output
+        self._unsent[seq] = output
+        return None
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> None:
         """End the step's requests that are still live with INTERNAL and free their blocks."""
@@ -299,8 +317,10 @@ class Engine:
         stream = self._streams.pop(seq, None)
         for sibling in self._release_held(seq):
             self._streams.pop(sibling, None)
+        # The tokens its request's sequences have had and the stream interval held back go out before the error.
+        unsent = [self._unsent.pop(s) for s in [s for s in self._unsent if s.request_id == seq.request_id]]
         if stream is not None:
-            stream.put(output)
+            deliver([(stream, each) for each in (*unsent, output)])
 
     def _observe(self, step: LaunchedStep, start_ns: int, forward_ms: float) -> None:
         if not self.step_observers:

@@ -1,4 +1,5 @@
-"""``kiln api-server``'s process: the gateway's app on uvicorn, HTTPS where given a certificate.
+"""``kiln api-server``'s process: the gateway's app on uvicorn, HTTPS where given a certificate. The same server
+carries an execute service's own OpenAI endpoint (``kiln exec-server --openai-port``), over a LocalExecClient.
 
 ``run()`` blocks until SIGINT/SIGTERM, then lets requests in flight finish for the shutdown grace and returns (an
 exit status of 0, as the other servers'); ``start()`` serves from a thread of this process, for tests and embedding.
@@ -8,6 +9,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -37,10 +39,12 @@ class ApiServerSettings:
 
 
 class ApiServer:
-    def __init__(self, settings: ApiServerSettings, metrics: GatewayMetrics | None = None):
+    def __init__(self, settings: ApiServerSettings, metrics: GatewayMetrics | None = None,
+                 client_factory: Callable[[], ExecClient] | None = None):
+        """``client_factory``: what the app calls; by default an ExecClient of ``settings.target``."""
         self.settings = settings
-        app = build_app(lambda: ExecClient(settings.target, settings.tls, settings.server_name), metrics,
-                        settings.max_request_bytes)
+        app = build_app(client_factory or (lambda: ExecClient(settings.target, settings.tls, settings.server_name)),
+                        metrics, settings.max_request_bytes)
         # The asyncio loop, not uvloop where it is installed: the one grpc.aio's channels are built and tested on
         # (and no faster here: bench/gateway_overhead.py). The HTTP parser is httptools, a dependency, which uvicorn
         # picks over h11 when it is installed: ~0.2 ms of a request's first token and 0.4 ms of CPU less.
@@ -57,7 +61,6 @@ class ApiServer:
     def run(self) -> None:
         """Serve until SIGINT or SIGTERM. uvicorn serves from a thread, so these signals are this thread's to
         handle (uvicorn's own handling would end the process by re-raising them)."""
-        self._warn_if_open()
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: stop.set())
@@ -70,6 +73,7 @@ class ApiServer:
 
     def start(self) -> int:
         """Serve from a daemon thread; returns the port once it listens."""
+        self._warn_if_open()
         self._thread = threading.Thread(target=self._server.run, name="kiln-api-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -108,6 +108,7 @@ class ModelSizing:
     kv_cache_dtype: str = ""  # what the KV cache stores (the model's dtype, or float8_e4m3fn)
     quantization: str = ""  # "fp8" when the decoder's linears are FP8
     tensor_parallel_size: int = 1  # ranks, one process each (the byte counts above are rank 0's)
+    stream_interval: int = 1  # tokens a stream sends at a time after its first
 
 
 @dataclass
@@ -300,7 +301,7 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
         kv_cache_dtype=str(kv_spec.dtype).removeprefix("torch."), quantization=loaded.quantization,
         prefix_caching=config.enable_prefix_caching, piecewise_capture_sizes=config.piecewise_capture_sizes,
         piecewise_graph_bytes=mixed_graph_bytes,
-        tensor_parallel_size=config.tensor_parallel_size)
+        tensor_parallel_size=config.tensor_parallel_size, stream_interval=config.stream_interval)
     return StartedModel(engine, sizing, tokenizer)
 
 

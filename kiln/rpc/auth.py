@@ -104,6 +104,26 @@ def bearer_token(metadata) -> str | None:
     return None
 
 
+def refusal(tokens: TokenTable, method: str, metadata) -> tuple[grpc.StatusCode, str] | None:
+    """Why a call of ``method`` with ``metadata`` is refused (its status and message), or None when it may go on:
+    the one check of the gRPC interceptor and of the OpenAI endpoint an execute service serves itself."""
+    needed = required_role(method)
+    if needed is None:
+        return None
+    token = bearer_token(metadata)
+    if token is None:
+        return (grpc.StatusCode.UNAUTHENTICATED,
+                f"{method} needs a bearer token ('{HEADER}: {SCHEME}...'; the CLI sends KILN_AUTH_TOKEN)")
+    role = tokens.role_of(token)
+    if role is None:
+        log.warning("refused %s: unknown token", method)
+        return grpc.StatusCode.UNAUTHENTICATED, f"{method}: the token is not valid here"
+    if not allows(role, method):
+        log.warning("refused %s: a %s token, %s needed", method, role, needed)
+        return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs an {needed} token; this one is {role}"
+    return None
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Refuses a call without a valid token of a sufficient role before its handler runs."""
 
@@ -112,23 +132,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        needed = required_role(details.method)
-        if handler is None or needed is None:
-            return handler
-        token = bearer_token(details.invocation_metadata)
-        if token is None:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
-                            f"{details.method} needs a bearer token ('{HEADER}: {SCHEME}...'; the CLI sends "
-                            f"KILN_AUTH_TOKEN)")
-        role = self.tokens.role_of(token)
-        if role is None:
-            log.warning("refused %s: unknown token", details.method)
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, f"{details.method}: the token is not valid here")
-        if not allows(role, details.method):
-            log.warning("refused %s: a %s token, %s needed", details.method, role, needed)
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
-                            f"{details.method} needs an {needed} token; this one is {role}")
-        return handler
+        refused = refusal(self.tokens, details.method, details.invocation_metadata) if handler is not None else None
+        return handler if refused is None else _refusal(handler, *refused)
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
