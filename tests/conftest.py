@@ -1,9 +1,15 @@
 """Shared fixtures: one real compile server on loopback for the session, and the tiny model compiled once."""
 
 import asyncio
+import json
 import os
+import subprocess
 import threading
+import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +23,20 @@ TINY_MODEL = common_pb2.ModelSpec(preset="tiny-llama")
 TINY_CONFIG = common_pb2.CompileConfig(device="cpu", compile_sizes=[8], max_compiled_tokens=128)
 # A torch version no machine runs: a bundle factor that differs from this process's, whichever torch it has.
 ANOTHER_TORCH = "0.0.0"
+
+
+def wait_until_healthy(url: str, child: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+    """Until ``url`` (an HTTP /health of ``child``) answers {"status": "ok"}; fails with the child's log when the
+    child exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                assert json.load(response) == {"status": "ok"}
+            return
+        except (urllib.error.URLError, ConnectionError):
+            assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
 
 
 class BackgroundServer:

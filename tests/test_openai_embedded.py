@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import grpc
 import pytest
-from conftest import TINY_CONFIG, BackgroundServer
+from conftest import TINY_CONFIG, BackgroundServer, wait_until_healthy
 from prometheus_client import CollectorRegistry
 from text_model import write_text_model
 
@@ -134,15 +134,7 @@ def test_kiln_exec_server_serves_the_openai_api_on_its_port(signing_dir, tmp_pat
                                           "--cache", str(tmp_path / "cache")),
                              stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{api_port}/health", timeout=5) as response:
-                    assert json.load(response) == {"status": "ok"}
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert child.poll() is None and time.monotonic() < deadline, (tmp_path / "exec-server.log").read_text()
-                time.sleep(0.2)
+        wait_until_healthy(f"http://127.0.0.1:{api_port}/health", child, tmp_path / "exec-server.log", 120)
         with urllib.request.urlopen(f"http://127.0.0.1:{api_port}/v1/models", timeout=10) as response:
             assert json.load(response) == {"object": "list", "data": []}
     finally:

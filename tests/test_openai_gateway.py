@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import grpc
 import pytest
-from conftest import TINY_CONFIG, TINY_MODEL, BackgroundServer, compile_result, load_model
+from conftest import TINY_CONFIG, TINY_MODEL, BackgroundServer, compile_result, load_model, wait_until_healthy
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from text_model import write_text_model
@@ -532,15 +532,7 @@ def test_kiln_api_server_command_streams_to_curl(replicas, tmp_path):
     child = subprocess.Popen(kiln_command("api-server", "--port", str(port), "--exec-server", target,
                                           "--metrics-port", str(metrics_port)), stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                    assert json.load(response) == {"status": "ok"}
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert child.poll() is None and time.monotonic() < deadline, (tmp_path / "api-server.log").read_text()
-                time.sleep(0.2)
+        wait_until_healthy(f"http://127.0.0.1:{port}/health", child, tmp_path / "api-server.log", 60)
         body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True})
         out = subprocess.run(["curl", "-sS", "-N", "-X", "POST", f"http://127.0.0.1:{port}/v1/completions",
                               "-H", "Content-Type: application/json", "-d", body],
