@@ -78,9 +78,10 @@ class ExecServer(Server):
         self.api_port: int | None = None
 
     async def stop(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
-        if self.api_server is not None:  # its streams finish within the same grace, then the gRPC server's
-            await asyncio.to_thread(self.api_server.stop)
-        await super().stop(grace)
+        if self.api_server is None:
+            await super().stop(grace)
+        else:  # the HTTP and gRPC streams in flight finish within the same grace
+            await asyncio.gather(asyncio.to_thread(self.api_server.stop), super().stop(grace))
         await asyncio.to_thread(self.telemetry.close)
 
 

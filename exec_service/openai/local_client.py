@@ -36,19 +36,10 @@ class LocalRpcError(grpc.RpcError):
 
 
 class _Context:
-    """What the servicer's methods use of a grpc.aio ServicerContext: abort, and the call's metadata."""
-
-    def __init__(self, authorization: str | None):
-        self._metadata = ((HEADER, authorization),) if authorization else ()
+    """What Generate and ListModels use of a grpc.aio ServicerContext: abort (kiln.rpc.grpc_server.status_errors)."""
 
     async def abort(self, code: grpc.StatusCode, details: str = ""):
         raise LocalRpcError(code, details)
-
-    def invocation_metadata(self):
-        return self._metadata
-
-    def time_remaining(self) -> None:
-        return None
 
 
 class LocalCall:
@@ -94,12 +85,12 @@ class LocalExecClient:
 
     async def _generate(self, request, authorization) -> AsyncGenerator[exec_pb2.GenerateResponse]:
         self._check(GENERATE, authorization)
-        async for response in self._servicer.Generate(request, _Context(authorization)):
+        async for response in self._servicer.Generate(request, _Context()):
             yield response
 
     async def list_models(self, authorization: str | None) -> exec_pb2.ListModelsResponse:
         self._check(LIST_MODELS, authorization)
-        return await self._servicer.ListModels(exec_pb2.ListModelsRequest(), _Context(authorization))
+        return await self._servicer.ListModels(exec_pb2.ListModelsRequest(), _Context())
 
     async def serving(self) -> bool:
         return True  # this process answers: what the gRPC health check's "" service says while it runs
