@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exec_service.api.servicer import SERVICE_NAME, ExecServicer
+from exec_service.openai.gateway_metrics import GatewayMetrics
 from exec_service.openai.local_client import LocalExecClient
 from exec_service.openai.server import ApiServer, ApiServerSettings
 from exec_service.startup.fetch import COMPILE_CHANNEL_OPTIONS, BundleFetcher
@@ -121,7 +122,8 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
     port = await server.start(settings.address)
     if settings.openai is not None:
         tokens = settings.security.tokens
-        server.api_server = ApiServer(settings.openai, client_factory=lambda: LocalExecClient(servicer, tokens))
+        api_metrics = GatewayMetrics(metrics.registry) if metrics else None  # kiln:api_*, beside the service's own
+        server.api_server = ApiServer(settings.openai, api_metrics, lambda: LocalExecClient(servicer, tokens))
         server.api_port = await asyncio.to_thread(server.api_server.start)
         log.info("OpenAI-compatible API on %s://%s:%d/v1, served in this process",
                  "https" if settings.openai.https_cert else "http", settings.openai.host, server.api_port)

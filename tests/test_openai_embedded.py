@@ -87,6 +87,9 @@ def test_completions_and_chat_answer_as_generate_does(client, embedded):
                                           temperature=0)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
     assert [m.id for m in client.models.list().data] == [MODEL]
+    answered = embedded.registry.get_sample_value("kiln:api_requests_total",
+                                                  {"endpoint": "/v1/completions", "status": "200"})
+    assert answered >= 2  # the gateway's HTTP metrics, on the service's own registry (--metrics-port)
 
 
 def test_refusals_are_openai_errors_with_the_gateways_statuses(client, embedded):
