@@ -539,11 +539,11 @@ def test_cli_load_prints_each_phase(exec_server, tiny_loaded, capsys):
     from kiln_cli import main
 
     assert main(["load", exec_server.address, "tiny-llama", "--name", "tiny-cli", "--device", "cpu",
-                 "--compile-sizes", "8", "--max-compiled-tokens", "128"]) == 0
+                 "--compile-sizes", "8", "--max-compiled-tokens", "128", "--stream-interval", "4"]) == 0
     out = capsys.readouterr().out
     for phase in PHASES[:-1]:
         assert f"  {phase}  " in out
-    assert "# CPU blocks:" in out and "ready:" in out
+    assert "# CPU blocks:" in out and "ready:" in out and "streams 4 tokens a message" in out
 
 
 def test_concurrent_generates_on_two_models(exec_stub, tiny_loaded, hf_tiny):

@@ -60,4 +60,8 @@ def ready_line(sizing: exec_pb2.ModelSizing) -> str:
             f"({sizing.kv_cache_bytes / 2**20:.1f} MiB), max_num_seqs {sizing.max_num_seqs}, max_model_len "
             f"{sizing.max_model_len}, max_num_batched_tokens {sizing.max_num_batched_tokens}, {sizing.dtype} "
             f"{sizing.runtime_mode} on {sizing.device}, prefix caching {'on' if sizing.prefix_caching else 'off'}, "
-            f"bundle {sizing.key.digest[:16] or '-'}")
+            f"{_stream_interval(sizing.stream_interval)}bundle {sizing.key.digest[:16] or '-'}")
+
+
+def _stream_interval(tokens: int) -> str:
+    return f"streams {tokens} tokens a message, " if tokens > 1 else ""
