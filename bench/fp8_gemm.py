@@ -9,11 +9,16 @@ token counts, to find the FP8 product a decode-sized step should use (issue 24: 
 - weight-only candidates for few tokens: the FP8 weight read once and widened to bf16 in registers, the activation
   left in bf16 (no quantize), each at the fastest of a few tile configs: a dot with the tokens first, a dot with the
   weight first ("swap A and B", optionally split over K with a reduce kernel after), and a GEMV without a dot for
-  up to 4 tokens.
+  up to 4 tokens;
+- the swap-AB kernel with both operands FP8 (W8A8 as ``_scaled_mm``: the quantized activation and the weight go into
+  the FP8 tensor-core dot unwidened). ``--graphs`` times it against ``_scaled_mm`` replayed from CUDA graphs, as a
+  served step runs both: the figure that decides whether it replaces ``_scaled_mm`` for decode-sized steps
+  (cuBLASLt runs every row-wise FP8 GEMM of 1–32 rows with one 128 x 128 tile, BENCHMARKS.md).
 
-With TRITON_INTERPRET=1 and --check, it runs the candidate on the CPU against the dequantized product instead.
+With TRITON_INTERPRET=1 and --check, it runs the candidates on the CPU against the dequantized product instead.
 
 usage: python bench/fp8_gemm.py [--tokens 1,32,2048]
+       python bench/fp8_gemm.py --graphs --tokens 1,4,16,32
        TRITON_INTERPRET=1 python bench/fp8_gemm.py --check
 """
 
@@ -80,12 +85,14 @@ def _split_k_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                    WIDE_F32: tl.constexpr):
+def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr, WIDE_F32: tl.constexpr, FP8_X: tl.constexpr):
     """out.T[N, M] = (w[N, K] widened) @ x.T[K, M] * scale[N], over this program's 1/SPLIT_K of K: the weight is the
     dot's first operand (widened in registers, BLOCK_N >= 64 rows for Hopper's wgmma), the few tokens its second
-    (vLLM's and CUTLASS's "swap A and B" for small M). SPLIT_K > 1 writes float32 partials [SPLIT_K, M, N]."""
+    (vLLM's and CUTLASS's "swap A and B" for small M). SPLIT_K > 1 writes float32 partials [SPLIT_K, M, N].
+    FP8_X: x is the FP8 activation quantized per token, with its scales [M] at x_scale_ptr: both operands go into
+    the FP8 tensor-core dot as they are (no widening), the token scales applied to the accumulator."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -100,8 +107,12 @@ def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_
                      other=0.0)
         if WIDE_F32:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+        elif FP8_X:
+            acc = tl.dot(w, xt, acc)
         else:
             acc = tl.dot(w.to(xt.dtype), xt, acc)
+    if FP8_X:
+        acc *= tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)[None, :]
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K == 1:
         scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
@@ -125,7 +136,7 @@ def _split_k_reduce_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_om, SPLIT_
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, x_scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """The same product for M <= BLOCK_M <= 4 tokens without a dot: products summed in float32 registers."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,18 +166,23 @@ MAX_GEMV_TOKENS = 4
 SWAP_AB_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 4, 3), (128, 128, 1, 8, 4),
                    (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (128, 128, 4, 8, 3),
                    (64, 128, 8, 4, 4))
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of the swap-AB kernel with both operands FP8
+FP8_DOT_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 4), (128, 128, 1, 4, 4), (128, 256, 1, 8, 3),
+                   (64, 128, 2, 4, 4), (64, 256, 2, 4, 4), (64, 128, 4, 4, 5), (64, 256, 4, 4, 4),
+                   (128, 128, 4, 4, 4), (128, 256, 4, 8, 3), (64, 128, 8, 4, 4), (64, 256, 8, 4, 3))
 GEMV_CONFIGS = ((16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 1024, 1, 4, 2), (16, 512, 4, 4, 3), (32, 256, 4, 4, 3),
                 (16, 256, 8, 4, 4), (64, 128, 1, 4, 4), (32, 512, 2, 8, 3))
 
 
-def _launch_split(kernel, x, weight, scale, config, block_m, **constexprs) -> torch.Tensor:
+def _launch_split(kernel, x, weight, scale, config, block_m, x_scale=None, **constexprs) -> torch.Tensor:
     block_n, block_k, split_k, num_warps, num_stages = config
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=torch.bfloat16 if x_scale is not None else x.dtype, device=x.device)
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     kernel[(triton.cdiv(n, block_n), split_k)](
-        x, weight, scale, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m,
+        x, weight, scale, scale if x_scale is None else x_scale, out, part, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **constexprs)
     if split_k > 1:
         _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](part, scale, out, m, n, out.stride(0), SPLIT_K=split_k,
@@ -177,7 +193,15 @@ def _launch_split(kernel, x, weight, scale, config, block_m, **constexprs) -> to
 def swap_ab(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: tuple) -> torch.Tensor:
     """x [M, K] (M <= MAX_WEIGHT_ONLY_TOKENS) times float8 ``weight`` [N, K] with row scales [N] -> [M, N]."""
     return _launch_split(_swap_ab_kernel, x, weight, scale, config, max(16, triton.next_power_of_2(x.shape[0])),
-                         WIDE_F32=not x.is_cuda)
+                         WIDE_F32=not x.is_cuda, FP8_X=False)
+
+
+def fp8_swap_ab(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                config: tuple) -> torch.Tensor:
+    """The FP8 activation ``xq`` [M, K] with token scales [M, 1] times the float8 ``weight`` [N, K] with row scales
+    [N] -> bf16 [M, N]: the swap-AB kernel with both operands FP8 (W8A8, as ``_scaled_mm``; the weight read once)."""
+    return _launch_split(_swap_ab_kernel, xq, weight, scale, config, max(16, triton.next_power_of_2(xq.shape[0])),
+                         x_scale=x_scale.reshape(-1), WIDE_F32=False, FP8_X=True)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: tuple) -> torch.Tensor:
@@ -206,12 +230,14 @@ def swapped(xq: torch.Tensor, x_scale: torch.Tensor, q: torch.Tensor, w_scale: t
     return out.t()[: out.shape[1] - pad]
 
 
-def best_of(fn, configs) -> tuple[float, tuple | None]:
-    """The fastest config's µs and the config; configs the GPU cannot run (shared memory) are skipped."""
+def best_of(fn, configs, timer=None) -> tuple[float, tuple | None]:
+    """The fastest config's µs (``timer``, default ``us``) and the config; configs the GPU cannot run (shared
+    memory) are skipped."""
+    timer = timer or us
     timed = {}
     for config in configs:
         try:
-            timed[config] = us(lambda c=config: fn(c))
+            timed[config] = timer(lambda c=config: fn(c))
         except triton.runtime.errors.OutOfResources:
             continue
     if not timed:
@@ -224,6 +250,33 @@ def us(fn) -> float:
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=30, return_mode="median") * 1e3
+
+
+def graph_us(fn) -> float:
+    """µs of ``fn`` replayed from a CUDA graph, as a served step runs it (no launch cost, L2 warm)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+def in_graphs(tokens: list[int]) -> None:
+    """``_scaled_mm`` (fast accumulation, as Kiln's layers call it) against the FP8-dot swap-AB kernel at its best
+    config, both replayed from CUDA graphs: µs and the weight's bytes per second."""
+    print("| tokens | GEMM | weight MB | _scaled_mm us (TB/s) | FP8-dot swap-AB us (TB/s), config "
+          "| _scaled_mm / swap-AB |")
+    print("|---|---|---|---|---|---|")
+    for m in tokens:
+        for name, n, k in GEMMS:
+            q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+            xq, x_scale = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            w_scale = scale.reshape(1, -1)
+            gemm = graph_us(lambda a=xq, s=x_scale, q=q, t=w_scale: torch._scaled_mm(
+                a, q.t(), scale_a=s, scale_b=t, out_dtype=torch.bfloat16, use_fast_accum=True))
+            timed, config = best_of(lambda c, a=xq, s=x_scale, q=q, t=scale: fp8_swap_ab(a, s, q, t, c),
+                                    FP8_DOT_CONFIGS, graph_us)
+            mb = n * k / 1e6
+            print(f"| {m} | {name} | {mb:.1f} | {gemm:.1f} ({mb / gemm:.2f}) | {timed:.1f} ({mb / timed:.2f}), "
+                  f"{config} | {gemm / timed:.2f}x |", flush=True)
 
 
 def check() -> None:
@@ -241,24 +294,33 @@ def check() -> None:
             got = fn(x, q, scale, config).float()
             torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, f=fn, c=config, shape=(m, n, k):
                                        f"{f.__name__} {c} at {shape}: {e}")
+        xq, x_scale = quantize_tokens(x)
+        want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
+        for config in FP8_DOT_CONFIGS[::3]:
+            got = fp8_swap_ab(xq, x_scale, q, scale, config).float()
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, c=config, shape=(m, n, k):
+                                       f"fp8_swap_ab {c} at {shape}: {e}")
         if k % 16 == 0 and n % 16 == 0:  # cuBLASLt's FP8 shapes
-            xq, x_scale = quantize_tokens(x)
-            want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
             for fast in (False, True):
                 got = swapped(xq, x_scale, q, scale, fast).float()
                 torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, shape=(m, n, k):
                                            f"swapped _scaled_mm at {shape}: {e}")
-    print("weight-only candidates (dot, swap-AB, GEMV; split-K too) and the swapped _scaled_mm: equal to the "
-          "dequantized product within bf16 rounding")
+    print("weight-only candidates (dot, swap-AB, GEMV; split-K too), the FP8-dot swap-AB and the swapped "
+          "_scaled_mm: equal to the dequantized product within bf16 rounding")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,32,2048")
     p.add_argument("--check", action="store_true", help="check the candidates' values only (CPU: TRITON_INTERPRET=1)")
+    p.add_argument("--graphs", action="store_true",
+                   help="only _scaled_mm against the FP8-dot swap-AB kernel, both timed in CUDA graphs")
     args = p.parse_args()
     if args.check:
         check()
+        return
+    if args.graphs:
+        in_graphs([int(t) for t in args.tokens.split(",")])
         return
     compiled = torch.compile(fp8_linear, dynamic=False)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
