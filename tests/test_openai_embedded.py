@@ -83,6 +83,11 @@ def test_completions_and_chat_answer_as_generate_does(client, embedded):
                                          extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed) == over_grpc
 
+    several = client.completions.create(model=MODEL, prompt=[PROMPT, "the kiln"], max_tokens=4, n=2, temperature=0,
+                                        extra_body={"ignore_eos": True})  # one Generate per prompt, merged
+    assert sorted(c.index for c in several.choices) == [0, 1, 2, 3] and several.usage.completion_tokens == 16
+    assert several.choices[0].text == several.choices[1].text == choice.text[:len(several.choices[0].text)]
+
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
