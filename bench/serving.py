@@ -26,6 +26,7 @@ by side.
 
 usage: python bench/serving.py [--preset llama-3-8b] [--requests 128] [--request-rate 2,8,32,inf] [--json-out F]
                                [--backend grpc|openai|openai-exec|grpc,openai,...] [--tensor-parallel-size 2]
+                               [--stream-interval 8] [--skip-hf]
 """
 
 import argparse
