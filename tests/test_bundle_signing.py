@@ -130,7 +130,8 @@ def test_tampered_bundle_is_refused_and_its_payload_never_runs(shared_exec, tamp
     shutil.copytree(compile_store / tiny_key, target)
     good = f"good-after-{tamper.__name__}".replace("_", "-")
     load_model(stub, good, key=common_pb2.ArtifactKey(digest=tiny_key))
-    out = list(stub.Generate(exec_pb2.GenerateRequest(model=good, prompt_ids=[1, 2, 3], max_tokens=2)))
+    out = list(stub.Generate(exec_pb2.GenerateRequest(model=good, prompt_ids=[1, 2, 3], max_tokens=2,
+                                                      ignore_eos=True)))  # sampled: an end token could come first
     assert sum(len(r.token_ids) for r in out) == 2
     stub.UnloadModel(exec_pb2.UnloadModelRequest(name=good))
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
