@@ -597,7 +597,7 @@ def test_shared_store_is_read_in_place(compile_store, tiny_key, tiny_loaded, tmp
             fetch = next(e.phase for e in events if e.HasField("phase") and e.phase.phase == "fetch"
                          and not e.phase.progress)
             assert fetch.detail == f"shared store {compile_store}, key {tiny_key}"
-            assert len(generate(stub, "tiny-shared", [1, 2, 3], max_tokens=2)[0]) == 2
+            assert len(generate(stub, "tiny-shared", [1, 2, 3], max_tokens=2, ignore_eos=True)[0]) == 2
             with pytest.raises(grpc.RpcError) as exc:  # not in the store, and nowhere to compile it
                 list(stub.LoadModel(exec_pb2.LoadModelRequest(
                     name="tiny-elsewhere", model=TINY_MODEL,
