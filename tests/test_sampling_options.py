@@ -42,12 +42,12 @@ def tokenizer(tiny_chat_dir):
     return AutoTokenizer.from_pretrained(tiny_chat_dir)
 
 
-def generate(stub, prompt=PROMPT, **fields) -> dict[int, dict]:
+def generate(stub, prompt=PROMPT, model=MODEL, **fields) -> dict[int, dict]:
     """Each sequence's tokens, text, logprobs and last message, by index."""
     if "messages" not in fields and "prompt" not in fields:
         fields["prompt_ids"] = prompt
     out = defaultdict(lambda: dict(tokens=[], text="", logprobs=[], last=None))
-    for response in stub.Generate(exec_pb2.GenerateRequest(model=MODEL, **fields)):
+    for response in stub.Generate(exec_pb2.GenerateRequest(model=model, **fields)):
         seq = out[response.index]
         assert seq["last"] is None, "nothing follows a sequence's last message"
         assert len(response.logprobs) in (0, len(response.token_ids))
@@ -404,3 +404,35 @@ def test_gpu_penalties_min_tokens_and_logprobs_in_cuda_graph_steps(gpu_stub):
     assert [lp.logprob for lp in logprobs] == pytest.approx(
         [expected[i, t].item() for i, t in enumerate(tokens)], abs=1e-3)
     assert [[t.token_id for t in lp.top] for lp in logprobs] == expected.topk(3).indices.tolist()
+
+
+def test_a_stream_interval_streams_the_same_sequences_in_fewer_messages(exec_stub, chat_model, tiny_chat_dir,
+                                                                         tokenizer):
+    """stream_interval 3 on the same weights: two sampled sequences of one prompt, with logprobs and a stop string
+    that matches, come out as the default interval streams them (tokens, text, logprobs, how they end), in fewer
+    messages, each message with one logprob per token."""
+    load_model(exec_stub, "tiny-chat-paced", weights=str(tiny_chat_dir), stream_interval=3)
+    fields = dict(max_tokens=14, temperature=1.0, seed=11, n=2, logprobs=True, top_logprobs=2, ignore_eos=True)
+    unstopped = generate(exec_stub, **fields)[0]["text"]
+    stop = unstopped[len(unstopped) // 2:][:2]  # text from the middle of the first sequence: it ends there
+    each, paced = (generate(exec_stub, model=m, stop=[stop], **fields) for m in (MODEL, "tiny-chat-paced"))
+    assert sorted(paced) == sorted(each) == [0, 1] and each[0]["last"].finish_reason == exec_pb2.FINISH_REASON_STOP
+    for index in each:
+        assert (paced[index]["tokens"], paced[index]["text"]) == (each[index]["tokens"], each[index]["text"]), index
+        # Logprob values to float rounding: the paced run's steps held the stopped sequence up to two steps more.
+        def ids(run, index=index):
+            return [(lp.token_id, [t.token_id for t in lp.top]) for lp in run[index]["logprobs"]]
+
+        def values(run, index=index):
+            return [v for lp in run[index]["logprobs"] for v in (lp.logprob, *(t.logprob for t in lp.top))]
+
+        assert ids(paced) == ids(each) and values(paced) == pytest.approx(values(each), abs=1e-5)
+        assert paced[index]["last"].finish_reason == each[index]["last"].finish_reason
+        assert paced[index]["last"].usage.output_tokens == each[index]["last"].usage.output_tokens
+
+    def messages(model: str) -> int:
+        request = exec_pb2.GenerateRequest(model=model, prompt_ids=PROMPT, max_tokens=10, ignore_eos=True)
+        return len(list(exec_stub.Generate(request)))
+
+    assert (messages(MODEL), messages("tiny-chat-paced")) == (10, 4)  # 1 + 3 + 3 + 3
+    exec_stub.UnloadModel(exec_pb2.UnloadModelRequest(name="tiny-chat-paced"))
