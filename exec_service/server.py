@@ -76,7 +76,6 @@ class ExecServer(Server):
         super().__init__([SERVICE_NAME], server_interceptors(), security, max_connection_age_s)
         self.telemetry = telemetry
         self.api_server: ApiServer | None = None  # the OpenAI endpoint, when it has one
-        self.api_port: int | None = None
 
     async def stop(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
         if self.api_server is None:
@@ -124,9 +123,9 @@ async def start_exec_server(settings: ExecServerSettings, step_observers: Iterab
         tokens = settings.security.tokens
         api_metrics = GatewayMetrics(metrics.registry) if metrics else None  # kiln:api_*, beside the service's own
         server.api_server = ApiServer(settings.openai, api_metrics, lambda: LocalExecClient(servicer, tokens))
-        server.api_port = await asyncio.to_thread(server.api_server.start)
+        api_port = await asyncio.to_thread(server.api_server.start)
         log.info("OpenAI-compatible API on %s://%s:%d/v1, served in this process",
-                 "https" if settings.openai.https_cert else "http", settings.openai.host, server.api_port)
+                 "https" if settings.openai.https_cert else "http", settings.openai.host, api_port)
     log.info("exec service listening on %s (port %d), compile service %s, %s %s, trusting %s, model roots: %s",
              settings.address, port, settings.compile_address or "none",
              "shared store" if shared else "cache", store.location,

@@ -58,7 +58,7 @@ def embedded(compile_server, tiny_key, trusted_keys, tmp_path_factory):
                                  metadata=(("authorization", f"Bearer {admin.read_text().strip()}"),)))
     assert events[-1].HasField("ready")
     user_token = user.read_text().strip()
-    yield Embedded(f"http://127.0.0.1:{server.server.api_port}/v1", stub,
+    yield Embedded(f"http://127.0.0.1:{server.server.api_server.port}/v1", stub,
                    (("authorization", f"Bearer {user_token}"),), user_token, registry)
     channel.close()
     server.stop()

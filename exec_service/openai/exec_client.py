@@ -45,10 +45,10 @@ class ExecClient:
         await self._channel.close()
 
     def generate(self, request: exec_pb2.GenerateRequest, authorization: str | None) -> grpc.aio.UnaryStreamCall:
-        return self._exec.Generate(request, metadata=_metadata(authorization))
+        return self._exec.Generate(request, metadata=call_metadata(authorization))
 
     async def list_models(self, authorization: str | None) -> exec_pb2.ListModelsResponse:
-        return await self._exec.ListModels(exec_pb2.ListModelsRequest(), metadata=_metadata(authorization))
+        return await self._exec.ListModels(exec_pb2.ListModelsRequest(), metadata=call_metadata(authorization))
 
     async def serving(self) -> bool:
         """Whether an execute service behind the target answers its health check SERVING (it needs no token)."""
@@ -59,7 +59,7 @@ class ExecClient:
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _metadata(authorization: str | None) -> tuple:
+def call_metadata(authorization: str | None) -> tuple:
     return ((HEADER, authorization),) if authorization else ()
 
 

@@ -14,7 +14,8 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from exec_service.api.servicer import SERVICE_NAME, ExecServicer
-from kiln.rpc.auth import HEADER, TokenTable, refusal
+from exec_service.openai.exec_client import call_metadata
+from kiln.rpc.auth import TokenTable, refusal
 from protos import exec_pb2
 
 GENERATE = f"/{SERVICE_NAME}/Generate"
@@ -98,6 +99,6 @@ class LocalExecClient:
     def _check(self, method: str, authorization: str | None) -> None:
         if self._tokens is None:
             return
-        refused = refusal(self._tokens, method, ((HEADER, authorization),) if authorization else ())
+        refused = refusal(self._tokens, method, call_metadata(authorization))
         if refused is not None:
             raise LocalRpcError(*refused)
