@@ -296,12 +296,12 @@ class Server:
             await self.on_grace_ending(grace)
         await stopping
 
-    async def serve_until_signal(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
-        """Run until SIGINT/SIGTERM, then drain in-flight calls for up to ``grace`` seconds and stop."""
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+    async def serve_until_signal(self, grace: float = DEFAULT_SHUTDOWN_GRACE_S,
+                                 stop: asyncio.Event | None = None) -> None:
+        """Run until SIGINT/SIGTERM (or ``stop``, set by them: handlers installed before the server started), then
+        drain in-flight calls for up to ``grace`` seconds and stop."""
+        if stop is None:
+            stop = _stop_on_signals()
         await stop.wait()
         log.info("shutting down: draining calls in flight for up to %.0f s", grace)
         await self.stop(grace)
@@ -318,7 +318,17 @@ def serve_until_signal(start, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
     async def serve():
+        stop = _stop_on_signals()  # before start: a SIGTERM while it starts (its ports may answer already) is a stop
         server, _ = await start()
-        await server.serve_until_signal(grace)
+        await server.serve_until_signal(grace, stop)
 
     asyncio.run(serve())
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set, on the running loop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
