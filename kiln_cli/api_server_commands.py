@@ -23,6 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-request-bytes", type=int,
                    default=int(os.environ.get("KILN_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
                    help="largest request body accepted; larger is 413 (default: %(default)s)")
+    security_args.add_http_args(p)
     metrics_args.add_metrics_arg(p)
     add_shutdown_grace_arg(p)
     security_args.add_client_args(p)  # towards the execute services; tokens are the HTTP clients' own
@@ -61,7 +62,8 @@ def run_api_server(args) -> int:
     telemetry = init_tracing("kiln-api")
     metrics = metrics_args.start_metrics(args, GatewayMetrics)
     settings = ApiServerSettings(args.host, args.port, target, tls, args.tls_server_name, args.https_cert,
-                                 args.https_key, args.shutdown_grace_s, args.max_request_bytes)
+                                 args.https_key, args.shutdown_grace_s, args.max_request_bytes,
+                                 security_args.http_limits(args))
     try:
         ApiServer(settings, metrics.collector if metrics else None).run()
     finally:

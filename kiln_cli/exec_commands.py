@@ -53,6 +53,7 @@ def register(subparsers) -> None:
     p.add_argument("--https-cert", default=os.environ.get("KILN_HTTPS_CERT"),
                    help="with --openai-port: serve HTTPS, this certificate (PEM)")
     p.add_argument("--https-key", default=os.environ.get("KILN_HTTPS_KEY"), help="its private key (PEM)")
+    security_args.add_http_args(p)
     metrics_args.add_metrics_arg(p)
     security_args.add_server_args(p)
     security_args.add_client_args(p)  # towards the compile service
@@ -176,7 +177,8 @@ def openai_settings(args, security):
     if args.openai_port is None:
         return None
     return ApiServerSettings(args.host, args.openai_port, "", https_cert=args.https_cert, https_key=args.https_key,
-                             shutdown_grace_s=args.shutdown_grace_s, max_request_bytes=security.max_request_bytes)
+                             shutdown_grace_s=args.shutdown_grace_s, max_request_bytes=security.max_request_bytes,
+                             limits=security_args.http_limits(args))
 
 
 def run_exec_server(args) -> int:

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from exec_service.openai.http_limits import HttpLimits
 from kiln.model.hub import HubCache
 from kiln.rpc.auth import TokenFileError, TokenTable
 from kiln.rpc.client_security import ClientSecurity
@@ -44,6 +45,25 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="download a Hub id missing from the cache (configs, safetensors, tokenizers; never code). "
                         "Off by default: with it, any client that may load or compile makes this server fetch the "
                         "repositories it names (env KILN_ALLOW_HUB_DOWNLOADS=1)")
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    """The bound an HTTP port's operator sets (kiln api-server, kiln exec-server --openai-port); the others are
+    exec_service.openai.http_limits's."""
+    p.add_argument("--max-http-connections", type=_connection_count,
+                   default=os.environ.get("KILN_MAX_HTTP_CONNECTIONS") or str(HttpLimits.max_connections),
+                   help="connections the HTTP port serves at once; one past them is answered 503 and closed "
+                        "(env KILN_MAX_HTTP_CONNECTIONS)")
+
+
+def http_limits(args) -> HttpLimits:
+    return HttpLimits(max_connections=args.max_http_connections)
+
+
+def _connection_count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be a count in [1, 1000000], got {text!r}")
+    return int(text)
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:

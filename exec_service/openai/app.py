@@ -20,6 +20,7 @@ from exec_service.openai.body_limit import BodyLimit
 from exec_service.openai.errors import ApiError, from_rpc_error
 from exec_service.openai.exec_client import ExecClient, merged
 from exec_service.openai.gateway_metrics import GatewayMetrics
+from exec_service.openai.http_limits import HttpLimits
 from exec_service.openai.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from exec_service.openai.responses import Completion
 from exec_service.openai.streaming import ChunkStream, EventStream
@@ -33,9 +34,9 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 
 
 def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: HttpLimits = HttpLimits()) -> FastAPI:
     """The app; ``client_factory`` makes the ExecClient on the server's event loop when the app starts; a body over
-    ``max_request_bytes`` is refused before it is parsed."""
+    ``max_request_bytes``, or slower than ``limits`` allow, is refused before it is parsed."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -60,7 +61,8 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
         message = f"{param}: {first.get('msg', 'invalid')}" if param else first.get("msg", "invalid request body")
         return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
 
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout_s=limits.body_timeout_s,
+                       budget_bytes=limits.buffered_bodies * max_request_bytes)
     if metrics is not None:
         app.add_middleware(_CountResponses, metrics=metrics)  # added last, so it runs first: a 413 is counted too
 

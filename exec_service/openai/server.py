@@ -5,6 +5,7 @@ carries an execute service's own OpenAI endpoint (``kiln exec-server --openai-po
 exit status of 0, as the other servers'); ``start()`` serves from a thread of this process, for tests and embedding.
 """
 
+import functools
 import logging
 import signal
 import threading
@@ -17,6 +18,8 @@ import uvicorn
 from exec_service.openai.app import build_app
 from exec_service.openai.exec_client import ExecClient
 from exec_service.openai.gateway_metrics import GatewayMetrics
+from exec_service.openai.http_limits import HttpLimits
+from exec_service.openai.http_protocol import BoundedHttpToolsProtocol
 from kiln.rpc.grpc_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE_S, is_loopback
 from kiln.rpc.tls import ClientTls
 
@@ -36,6 +39,7 @@ class ApiServerSettings:
     https_key: str | None = None
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies are 413, unread
+    limits: HttpLimits = HttpLimits()  # what one client can make the server hold, and for how long
 
 
 class ApiServer:
@@ -44,11 +48,13 @@ class ApiServer:
         """``client_factory``: what the app calls; by default an ExecClient of ``settings.target``."""
         self.settings = settings
         app = build_app(client_factory or (lambda: ExecClient(settings.target, settings.tls, settings.server_name)),
-                        metrics, settings.max_request_bytes)
+                        metrics, settings.max_request_bytes, settings.limits)
         # The asyncio loop, not uvloop where it is installed: the one grpc.aio's channels are built and tested on
-        # (and no faster here: bench/gateway_overhead.py). The HTTP parser is httptools, a dependency, which uvicorn
-        # picks over h11 when it is installed: ~0.2 ms of a request's first token and 0.4 ms of CPU less.
+        # (and no faster here: bench/gateway_overhead.py). The HTTP parser is httptools, a dependency, rather than
+        # h11: ~0.2 ms of a request's first token and 0.4 ms of CPU less; its protocol with Kiln's bounds.
+        protocol = functools.partial(BoundedHttpToolsProtocol, limits=settings.limits)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", loop="asyncio",
+                                http=protocol,
                                 ssl_certfile=settings.https_cert, ssl_keyfile=settings.https_key,
                                 timeout_graceful_shutdown=int(settings.shutdown_grace_s), access_log=False)
         self._server = uvicorn.Server(config)
