@@ -42,7 +42,8 @@ def answer(conn: socket.socket, timeout_s: float = 10.0) -> tuple[int, dict, boo
             raise AssertionError(f"closed without an answer after {data!r}")
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    lines = head.split(b"\r\n")
+    length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += conn.recv(65536)
     try:
@@ -160,8 +161,9 @@ def test_bodies_in_flight_past_the_budget_are_503_and_the_budget_is_given_back()
 def test_kiln_api_server_takes_its_connection_cap_from_the_flag(tmp_path):
     port = free_port()
     log = (tmp_path / "api-server.log").open("w")
-    child = subprocess.Popen(kiln_command("api-server", "--port", str(port), "--exec-server", f"127.0.0.1:{free_port()}",
-                                          "--max-http-connections", "1"), stdout=log, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(kiln_command("api-server", "--port", str(port), "--exec-server",
+                                          f"127.0.0.1:{free_port()}", "--max-http-connections", "1"),
+                             stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while True:  # until it answers (/health is 503 with nothing behind it)

@@ -20,7 +20,7 @@ from exec_service.openai.body_limit import BodyLimit
 from exec_service.openai.errors import ApiError, from_rpc_error
 from exec_service.openai.exec_client import ExecClient, merged
 from exec_service.openai.gateway_metrics import GatewayMetrics
-from exec_service.openai.http_limits import HttpLimits
+from exec_service.openai.http_limits import DEFAULT_LIMITS, HttpLimits
 from exec_service.openai.requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from exec_service.openai.responses import Completion
 from exec_service.openai.streaming import ChunkStream, EventStream
@@ -34,7 +34,7 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 
 
 def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: HttpLimits = HttpLimits()) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: HttpLimits = DEFAULT_LIMITS) -> FastAPI:
     """The app; ``client_factory`` makes the ExecClient on the server's event loop when the app starts; a body over
     ``max_request_bytes``, or slower than ``limits`` allow, is refused before it is parsed."""
 

@@ -27,3 +27,6 @@ class HttpLimits:
     body_timeout_s: float = 60.0
     max_connections: int = 4096  # --max-http-connections
     buffered_bodies: int = 64  # bodies of max_request_bytes held at once, over all requests
+
+
+DEFAULT_LIMITS = HttpLimits()

@@ -18,7 +18,7 @@ import uvicorn
 from exec_service.openai.app import build_app
 from exec_service.openai.exec_client import ExecClient
 from exec_service.openai.gateway_metrics import GatewayMetrics
-from exec_service.openai.http_limits import HttpLimits
+from exec_service.openai.http_limits import DEFAULT_LIMITS, HttpLimits
 from exec_service.openai.http_protocol import BoundedHttpToolsProtocol
 from kiln.rpc.grpc_server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE_S, is_loopback
 from kiln.rpc.tls import ClientTls
@@ -39,7 +39,7 @@ class ApiServerSettings:
     https_key: str | None = None
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies are 413, unread
-    limits: HttpLimits = HttpLimits()  # what one client can make the server hold, and for how long
+    limits: HttpLimits = DEFAULT_LIMITS  # what one client can make the server hold, and for how long
 
 
 class ApiServer:
