@@ -108,6 +108,16 @@ def test_each_rpc_gets_the_status_its_role_allows(material, secure_compile, secu
     assert admin not in caplog.text and user not in caplog.text, "a token reached the log"
 
 
+def test_a_refused_callers_message_is_never_parsed(material, secure_exec):
+    """Bytes that are no LoadModelRequest, without a token: UNAUTHENTICATED, not the parse failure that reading them
+    would give (UNKNOWN, before): the refusal never hands them to protobuf."""
+    with client(material).channel(secure_exec.address, CHANNEL_OPTIONS) as channel:
+        raw = channel.unary_stream("/kiln.v1.ExecService/LoadModel")  # no serializers: bytes as given
+        with pytest.raises(grpc.RpcError) as refused:
+            list(raw(b"\xff" * 64))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_health_and_reflection_stay_open_without_a_token(material, secure_exec):
     with client(material).channel(secure_exec.address) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status

@@ -153,5 +153,5 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
         (True, True): (grpc.stream_stream_rpc_method_handler, streaming),
     }
     make, behaviour = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(behaviour, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    # No request deserializer: a refused caller's message stays bytes, never parsed.
+    return make(behaviour, response_serializer=handler.response_serializer)
