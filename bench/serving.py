@@ -9,9 +9,11 @@
    from a fixed seed; `inf` sends them all at once), and the run reports what vLLM's `benchmark_serving` reports,
    figure for figure: request and token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, median, P99),
    measured at the client as vLLM measures them. Then Kiln's own: the fraction of the wall time the GPU ran
-   forwards (the sum of the forward times the engine measured with CUDA events, over the run's duration), and the
-   execute service's CPU time per output token: its event-loop thread (gRPC, protobuf, asyncio: the cost of
-   streaming each token) and its other threads (the engine thread above all). Linux, local services only.
+   forwards (the sum of the forward times the engine measured with CUDA events, over the run's duration), the
+   fraction it sat idle waiting for the host while the engine had work (GetForwardStats' host_wait_ms: what the
+   host, not a lack of requests, cost), and the execute service's CPU time per output token: its event-loop
+   thread (gRPC, protobuf, asyncio: the cost of streaming each token) and its other threads (the engine thread
+   above all). Linux, local services only.
 3. Runs the same prompts through transformers' `generate_batch` (the saturated figure's reference).
 4. With --json-out F: the results as JSON, the per-rate table as F's stem + `_rates.csv`, and TTFT and ITL against
    the rate as `_rates.png` when matplotlib is importable (else it says so; the CSV has the same figures).
@@ -229,6 +231,7 @@ async def run_rate(stub, backend, model: str, prompts: list[list[int]], args, ra
     stats = (await stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model=model))).stats
     result = {"request_rate": rate, "backend": backend.name, **latency_metrics(timings, duration)}
     result["gpu_busy"] = sum(s.total_ms for s in stats) / 1e3 / duration
+    result["host_wait"] = sum(s.host_wait_ms for s in stats) / 1e3 / duration  # the device idle, waiting for the host
     result["forward_stats"] = [(s.batch_size, s.phase, s.path, s.count, round(s.median_ms, 2), round(s.p99_ms, 2))
                                for s in stats]
     busiest = max(stats, key=lambda s: s.count, default=None)
@@ -286,6 +289,7 @@ def print_result(r: dict) -> None:
     section("Kiln execute service")
     line("Backend:", r["backend"], "")
     line("GPU busy (forward time / wall) (%):", 100 * r["gpu_busy"], ".1f")
+    line("GPU waiting for the host, work queued (%):", 100 * r["host_wait"], ".1f")
     if r["typical_step"]:
         batch, ms = r["typical_step"]
         line(f"Median step at batch {batch} (ms):", ms)
@@ -414,20 +418,20 @@ def hf_run(args, prompts) -> dict:
 
 
 RATE_COLUMNS = ["backend", "request_rate", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms",
-                "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "gpu_busy", "event_loop_cpu_ms_per_token",
-                "other_threads_cpu_ms_per_token"]
+                "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "gpu_busy", "host_wait",
+                "event_loop_cpu_ms_per_token", "other_threads_cpu_ms_per_token"]
 
 
 def print_rate_table(rates: list[dict]) -> None:
     print("| backend | request rate (req/s) | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-          "| E2E p50 ms | E2E p99 ms | GPU busy | event loop CPU ms/token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| E2E p50 ms | E2E p99 ms | GPU busy | GPU waiting for the host | event loop CPU ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rates:
         cpu = r.get("event_loop_cpu_ms_per_token")
         print(f"| {r['backend']} | {r['request_rate']:g} | {r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | "
               f"{r['p99_ttft_ms']:.1f} | {r['median_itl_ms']:.2f} | {r['p99_itl_ms']:.2f} | "
               f"{r['median_e2el_ms']:.0f} | {r['p99_e2el_ms']:.0f} | {100 * r['gpu_busy']:.0f}% | "
-              f"{'-' if cpu is None else f'{cpu:.4f}'} |")
+              f"{100 * r['host_wait']:.0f}% | {'-' if cpu is None else f'{cpu:.4f}'} |")
 
 
 def print_pass_medians(rates: list[dict]) -> None:

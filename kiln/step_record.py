@@ -29,6 +29,9 @@ class StepRecord(NamedTuple):
     start_ns: int  # the forward's start and end, wall-clock ns (CUDA events on GPU, host clock on CPU)
     end_ns: int
     request_ids: tuple[str, ...]  # the requests the step served, in batch order
+    # How long the device waited for the host before this forward: from the previous step's end (its sampling
+    # included) to this start, when the engine had this step's work all along; -1 after it waited for work.
+    host_wait_ns: int = -1
 
     @property
     def forward_ms(self) -> float:

@@ -152,7 +152,8 @@ def register(subparsers) -> None:
     security_args.add_client_args(p)
     p.set_defaults(handler=run_unload)
 
-    p = subparsers.add_parser("stats", help="forward time per batch size")
+    p = subparsers.add_parser("stats", help="forward time per batch size, phase and path, and the device's mean wait "
+                                            "for the host before those steps (host wait ms)")
     add_server_address(p, EXEC_ADDRESS, "execute service")
     p.add_argument("--model", default="", help="one model's statistics (default: every model's)")
     p.add_argument("--reset", action="store_true", help="clear the statistics after reading them")
@@ -398,9 +399,10 @@ def run_stats(args) -> int:
             out.line("no forward statistics yet: no step has run" + (f" for {args.model}" if args.model else ""))
             return
         out.line(f"{'model':<20} {'batch':>5} {'phase':<7} {'path':<15} {'count':>8} {'median ms':>10} "
-                 f"{'p90 ms':>8} {'p99 ms':>8}  mode")
+                 f"{'p90 ms':>8} {'p99 ms':>8} {'host wait ms':>12}  mode")
         for s in stats:
             out.message(s, f"{s.model:<20} {s.batch_size:>5} {s.phase:<7} {s.path:<15} {s.count:>8} "
-                           f"{s.median_ms:>10.3f} {s.p90_ms:>8.3f} {s.p99_ms:>8.3f}  {s.runtime_mode}")
+                           f"{s.median_ms:>10.3f} {s.p90_ms:>8.3f} {s.p99_ms:>8.3f} "
+                           f"{s.host_wait_ms / s.count:>12.3f}  {s.runtime_mode}")
 
     return _call(args, "GetForwardStats", work)

@@ -314,7 +314,7 @@ class GetForwardStatsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class BatchSizeStats(_message.Message):
-    __slots__ = ("model", "batch_size", "count", "median_ms", "p90_ms", "p99_ms", "runtime_mode", "total_ms", "phase", "path")
+    __slots__ = ("model", "batch_size", "count", "median_ms", "p90_ms", "p99_ms", "runtime_mode", "total_ms", "phase", "path", "host_wait_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +325,7 @@ class BatchSizeStats(_message.Message):
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     batch_size: int
     count: int
@@ -335,7 +336,8 @@ class BatchSizeStats(_message.Message):
     total_ms: float
     phase: str
     path: str
-    def __init__(self, model: _Optional[str] = ..., batch_size: _Optional[int] = ..., count: _Optional[int] = ..., median_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., runtime_mode: _Optional[str] = ..., total_ms: _Optional[float] = ..., phase: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    host_wait_ms: float
+    def __init__(self, model: _Optional[str] = ..., batch_size: _Optional[int] = ..., count: _Optional[int] = ..., median_ms: _Optional[float] = ..., p90_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., runtime_mode: _Optional[str] = ..., total_ms: _Optional[float] = ..., phase: _Optional[str] = ..., path: _Optional[str] = ..., host_wait_ms: _Optional[float] = ...) -> None: ...
 
 class GetForwardStatsResponse(_message.Message):
     __slots__ = ("stats",)

@@ -30,7 +30,8 @@ def test_serving_bench_reports_each_rate_as_vllm_does(exec_server, tiny_loaded, 
     for block in blocks:
         for label in ("Successful requests:", "Total generated tokens:", "Output token throughput (tok/s):",
                       "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):", "Median ITL (ms):", "P99 ITL (ms):",
-                      "P99 E2EL (ms):", "GPU busy (forward time / wall) (%):"):
+                      "P99 E2EL (ms):", "GPU busy (forward time / wall) (%):",
+                      "GPU waiting for the host, work queued (%):"):
             assert re.search(rf"^{re.escape(label)} +[\d.]+ *$", block, re.M), (label, block)
         assert re.search(r"^Successful requests: +12 *$", block, re.M)
         assert re.search(r"^Total generated tokens: +72 *$", block, re.M)
@@ -38,6 +39,7 @@ def test_serving_bench_reports_each_rate_as_vllm_does(exec_server, tiny_loaded, 
     rates = json.loads(out.read_text())["rates"]
     for r in rates:
         assert r["completed"] == 12 and r["output_tokens"] == 72
+        assert 0 < r["host_wait"] < 1  # six steps a request: the later ones waited for the host's scheduling
         assert 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2el_ms"]
         assert 0 < r["median_itl_ms"] <= r["p99_itl_ms"] and 0 < r["gpu_busy"] <= 1
         assert r["output_throughput"] == r["output_tokens"] / r["duration_s"]

@@ -23,6 +23,7 @@ from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.engine.step_inputs import StepBuffers
 from exec_service.startup import kv_sizing
 from exec_service.startup.weights import load_weights
+from exec_service.telemetry.forward_stats import ForwardStats
 from kiln.errors import Internal
 from kiln.model.spec import resolve
 from kiln.runtime_mode import RuntimeMode
@@ -224,6 +225,35 @@ def test_a_step_the_device_finished_is_read_before_the_next_is_scheduled():
     assert steps_of(serial_steps, "stops") == ["prefill"]
     assert steps_of(overlapped_steps, "stops") == ["prefill", "decode"]
     assert steps_of(serial_steps, "greedy") == steps_of(overlapped_steps, "greedy") == ["prefill"] + ["decode"] * 5
+
+
+def test_each_step_says_how_long_the_device_waited_for_the_host_unless_the_engine_waited_for_work():
+    """A request's steps follow one another: each after the first says the host time between the previous step's
+    end (its sampling) and its forward (scheduling, step inputs: more than 0 on the CPU, under a second); the first
+    step of a request that came to an idle engine says -1, as it waited for work, not for the host."""
+    records = []
+    engine = Engine("tiny", tiny_runner(), CONFIG, frozenset(), step_observers=[records.append])
+    engine.start()
+    try:
+        async def run():
+            await outcome(engine, request("first"))
+            await asyncio.sleep(0.3)  # the engine idles
+            await outcome(engine, request("second"))
+
+        asyncio.run(run())
+    finally:
+        engine.stop()
+    for rid in ("first", "second"):
+        waits = [r.host_wait_ns for r in records if rid in r.request_ids]
+        assert len(waits) == 6 and waits[0] == -1, (rid, waits)
+        assert all(0 < wait < 1e9 for wait in waits[1:]), (rid, waits)
+    stats = ForwardStats()
+    for record in records:
+        stats(record)
+    decode = [s for s in stats.snapshot() if s.phase == "decode"]
+    assert sum(s.host_wait_ms for s in decode) == pytest.approx(sum(r.host_wait_ns for r in records
+                                                                    if r.phase == "decode") / 1e6, abs=0.01)
+    assert sum(s.host_wait_ms for s in stats.snapshot() if s.phase == "prefill") == 0  # both came to an idle engine
 
 
 # Through the real server: many streams at once, each equal to itself run alone.

@@ -505,6 +505,10 @@ def test_forward_stats(exec_stub, tiny_loaded):
     # One prompt, then its decodes: one batch size, two series (phase and path), never one median of both.
     assert {(s.batch_size, s.phase, s.path) for s in stats} >= {(1, "prefill", "compiled"), (1, "decode", "compiled")}
     assert len({(s.batch_size, s.phase, s.path) for s in stats}) == len(stats)
+    # The decodes followed one another: each waited for the host's scheduling and inputs (the tracked gap), a few
+    # ms at most on the tiny model; the prefill came to an idle engine, so its wait was for work, not counted.
+    decode = next(s for s in stats if s.phase == "decode")
+    assert 0 < decode.host_wait_ms < 1000 * decode.count
     exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny", reset=True))
     assert not exec_stub.GetForwardStats(exec_pb2.GetForwardStatsRequest(model="tiny")).stats
     with pytest.raises(grpc.RpcError) as exc:
@@ -528,7 +532,7 @@ def test_cli_generate_models_stats(exec_server, tiny_loaded, hf_tiny, capsys):
 
     assert main(["stats", exec_server.address]) == 0
     out = capsys.readouterr().out
-    assert "phase" in out.splitlines()[0] and "path" in out.splitlines()[0]
+    assert "phase" in out.splitlines()[0] and "path" in out.splitlines()[0] and "host wait ms" in out.splitlines()[0]
     assert any(line.split()[2:4] == ["decode", "compiled"] for line in out.splitlines()[1:] if "tiny " in line)
 
     assert main(["generate", exec_server.address, "--model", "tiny", "--prompt-ids", "1", "--top-p", "2"]) == 1

@@ -165,6 +165,9 @@ def test_forward_times_of_overlapped_steps_follow_each_other_on_the_wall_clock(g
     assert len(steps) > MAX_TOKENS
     for before, after in zip(steps, steps[1:], strict=False):
         assert after.start_ns >= before.end_ns - 20_000, (before, after)  # 20 us of event-timer resolution
+        # Its wait for the host ran from the step's end, after the forward's (the logits and the sampling).
+        assert after.host_wait_ns <= after.start_ns - before.end_ns + 20_000, (before, after)
+    assert sum(r.host_wait_ns >= 0 for r in steps) >= MAX_TOKENS - 1  # the decodes followed one another
 
 
 def test_counter_noise_is_the_same_on_the_gpu_as_on_the_cpu():

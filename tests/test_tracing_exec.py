@@ -250,6 +250,11 @@ def test_forward_stats_agree_with_the_forward_spans_and_the_histogram(traced_run
                            if series(f.attributes) == (s.batch_size, s.phase, s.path))
         assert s.median_ms == pytest.approx((durations[(len(durations) - 1) // 2] + durations[len(durations) // 2])
                                             / 2, abs=2e-3)
+        waits = [f.attributes.get(spans.HOST_WAIT_MS, 0) for f in forward
+                 if series(f.attributes) == (s.batch_size, s.phase, s.path)]
+        assert s.host_wait_ms == pytest.approx(sum(waits), abs=2e-3 * len(waits))  # the span's, rounded to µs
+    # Decodes follow a step of their own: each waited for the host, and its span says how long.
+    assert all(f.attributes[spans.HOST_WAIT_MS] > 0 for f in forward if f.attributes[spans.PHASE] == "decode")
 
     def histogram(receiver) -> dict:
         latest = {}

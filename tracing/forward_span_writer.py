@@ -57,13 +57,15 @@ class ForwardSpanWriter:
         if served is None:
             return
         parent = trace.set_span_in_context(trace.NonRecordingSpan(served[0])) if served else context.Context()
-        span = self._tracer.start_span(
-            spans.FORWARD, context=parent, links=[Link(ctx) for ctx in served], start_time=step.start_ns,
-            attributes={
-                spans.MODEL: step.model, spans.BATCH_SIZE: step.batch_size, spans.NUM_TOKENS: step.num_tokens,
-                spans.PADDED_SIZE: step.padded_size, spans.RUNTIME_MODE: step.runtime_mode, spans.PHASE: step.phase,
-                spans.PATH: step.path,
-            })
+        attributes = {
+            spans.MODEL: step.model, spans.BATCH_SIZE: step.batch_size, spans.NUM_TOKENS: step.num_tokens,
+            spans.PADDED_SIZE: step.padded_size, spans.RUNTIME_MODE: step.runtime_mode, spans.PHASE: step.phase,
+            spans.PATH: step.path,
+        }
+        if step.host_wait_ns >= 0:
+            attributes[spans.HOST_WAIT_MS] = round(step.host_wait_ns / 1e6, 3)
+        span = self._tracer.start_span(spans.FORWARD, context=parent, links=[Link(ctx) for ctx in served],
+                                       start_time=step.start_ns, attributes=attributes)
         span.end(end_time=step.end_ns)
 
 

@@ -57,6 +57,7 @@ PADDED_SIZE = "kiln.padded_size"  # tokens the compiled code or CUDA graph ran, 
 RUNTIME_MODE = "kiln.runtime_mode"  # what LoadModel asked for: eager / compiled / cudagraph
 PATH = "kiln.path"  # how the step ran: full_graph / mixed_graph / compiled / eager
 PHASE = "kiln.phase"  # prefill / decode / mixed
+HOST_WAIT_MS = "kiln.host_wait_ms"  # the device's wait for the host before the step (absent: it waited for work)
 STATS_BATCH_SIZES = "kiln.stats.batch_sizes"
 STATS_COUNTS = "kiln.stats.counts"
 STATS_MEDIAN_MS = "kiln.stats.median_ms"

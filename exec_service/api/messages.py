@@ -56,5 +56,5 @@ def forward_stats_response(stats: list[BatchSizeStat]) -> exec_pb2.GetForwardSta
     return exec_pb2.GetForwardStatsResponse(stats=[
         exec_pb2.BatchSizeStats(model=s.model, batch_size=s.batch_size, count=s.count, median_ms=s.median_ms,
                                 p90_ms=s.p90_ms, p99_ms=s.p99_ms, runtime_mode=s.runtime_mode, total_ms=s.total_ms,
-                                phase=s.phase, path=s.path)
+                                phase=s.phase, path=s.path, host_wait_ms=s.host_wait_ms)
         for s in stats])

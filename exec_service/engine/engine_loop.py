@@ -85,6 +85,7 @@ class Engine:
         self._num_held = 0  # read on the event loop (num_waiting), so not summed over _held there
         self._wakeup = threading.Condition()
         self._stopping = False
+        self._previous_step_end_ns: int | None = None  # the last step read: its end, for the next one's host wait
         self.failure: KilnError | None = None  # why the engine thread stopped by itself (a bug outside a step)
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
 
@@ -191,6 +192,7 @@ class Engine:
         while True:
             with self._wakeup:
                 while not self._inbox and not self.scheduler.has_work and in_flight is None and not self._stopping:
+                    self._previous_step_end_ns = None  # the next step waited for work, not for the host
                     self._wakeup.wait()
                 if self._stopping:
                     break
@@ -271,7 +273,7 @@ class Engine:
             return
         # Observed before any request hears of its tokens: a request's span is still live when its last step's
         # forward span links to it.
-        self._observe(step, step.timer.start_ns, step.timer.elapsed_ms())
+        self._observe(step, step.timer.start_ns, step.timer.elapsed_ms(), step.timer.step_end_ns)
         outputs = []
         for entry, token_id in self.scheduler.postprocess(step.batch, token_ids):
             seq = entry.seq
@@ -306,6 +308,7 @@ class Engine:
         """End the step's requests that are still live with INTERNAL and free their blocks."""
         log.error("%s: step of %d sequences failed", self.name, batch.num_seqs, exc_info=exc)
         error = resource_error(exc, "forward") or Internal(f"forward failed: {first_line(exc)}")
+        self._previous_step_end_ns = None  # the failed step's time is no wait for the host
         self.block_manager.forget_cached()  # the failed step's blocks were registered, maybe never written
         for entry in batch.entries:
             if not entry.seq.is_finished:
@@ -322,14 +325,17 @@ class Engine:
         if stream is not None:
             deliver([(stream, each) for each in (*unsent, output)])
 
-    def _observe(self, step: LaunchedStep, start_ns: int, forward_ms: float) -> None:
+    def _observe(self, step: LaunchedStep, start_ns: int, forward_ms: float, step_end_ns: int) -> None:
+        previous_end_ns, self._previous_step_end_ns = self._previous_step_end_ns, step_end_ns
         if not self.step_observers:
             return
         batch = step.batch
+        host_wait_ns = -1 if previous_end_ns is None else max(0, start_ns - previous_end_ns)
         record = StepRecord(
             model=self.name, batch_size=batch.num_seqs, num_tokens=batch.num_tokens, padded_size=step.padded_size,
             runtime_mode=self.config.runtime_mode.value, path=step.path.value, phase=batch.phase, start_ns=start_ns,
-            end_ns=start_ns + int(forward_ms * 1e6), request_ids=tuple(e.seq.request_id for e in batch.entries))
+            end_ns=start_ns + int(forward_ms * 1e6), request_ids=tuple(e.seq.request_id for e in batch.entries),
+            host_wait_ns=host_wait_ns)
         for observer in self.step_observers:
             try:
                 observer(record)

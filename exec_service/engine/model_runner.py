@@ -134,6 +134,7 @@ class ModelRunner:
         host_logprobs = None
         if options is not None and options.num_top_logprobs is not None:
             host_logprobs = logprobs(logits, sampled, options.num_top_logprobs).to_host()
+        timer.step_done()
         ready = None
         if self._ready is not None:
             ready = self._ready[parity]

@@ -1,6 +1,8 @@
 """Forward time per batch size, phase and path, as in vLLM's "allow tracking forward time" (batch_size, count,
 median_ms), split so that a decode replayed from a full graph, a prefill replayed piecewise and a long prefill run
-from Python are three series, not one median.
+from Python are three series, not one median. Beside each series' forward time, how long the device waited for the
+host before its steps (kiln.step_record.StepRecord.host_wait_ns): the GPU's idle time that the host, not a lack of
+work, caused.
 
 A step observer of every engine: it records every step; GetForwardStats, the periodic log line and the stats span
 read from here.
@@ -29,12 +31,14 @@ class BatchSizeStat:
     total_ms: float  # every step of this series, not only the samples kept
     phase: str = ""  # prefill / decode / mixed
     path: str = ""  # kiln.step_record.StepPath value; "" in a row that merges paths (``by_phase``)
+    host_wait_ms: float = 0.0  # the device's wait for the host before every step of this series
 
 
 class _Series:
     def __init__(self):
         self.count = 0
         self.total_ms = 0.0
+        self.host_wait_ms = 0.0
         self.samples: deque[float] = deque(maxlen=SAMPLES_KEPT)
         self.runtime_mode = ""
 
@@ -42,6 +46,7 @@ class _Series:
         """What the readers compute from, taken under the lock; the sorting happens outside it."""
         taken = _Series()
         taken.count, taken.total_ms, taken.runtime_mode = self.count, self.total_ms, self.runtime_mode
+        taken.host_wait_ms = self.host_wait_ms
         taken.samples = deque(self.samples)
         return taken
 
@@ -60,14 +65,16 @@ class ForwardStats:
         self._series: dict[tuple[str, int, str, str], _Series] = defaultdict(_Series)
 
     def __call__(self, step: StepRecord) -> None:
-        self.record(step.model, step.batch_size, step.forward_ms, step.runtime_mode, step.phase, step.path)
+        self.record(step.model, step.batch_size, step.forward_ms, step.runtime_mode, step.phase, step.path,
+                    max(0, step.host_wait_ns) / 1e6)
 
     def record(self, model: str, batch_size: int, ms: float, runtime_mode: str, phase: str = "",
-               path: str = "") -> None:
+               path: str = "", host_wait_ms: float = 0.0) -> None:
         with self._lock:
             series = self._series[(model, batch_size, phase, path)]
             series.count += 1
             series.total_ms += ms
+            series.host_wait_ms += host_wait_ms
             series.samples.append(ms)
             series.runtime_mode = runtime_mode
 
@@ -97,7 +104,8 @@ def _stat(key: tuple[str, int, str, str], series: list[_Series]) -> BatchSizeSta
         model=key[0], batch_size=key[1], count=sum(s.count for s in series),
         median_ms=round(statistics.median(ordered), 3), p90_ms=round(_percentile(ordered, 0.9), 3),
         p99_ms=round(_percentile(ordered, 0.99), 3), runtime_mode=series[-1].runtime_mode,
-        total_ms=round(sum(s.total_ms for s in series), 3), phase=key[2], path=key[3])
+        total_ms=round(sum(s.total_ms for s in series), 3), phase=key[2], path=key[3],
+        host_wait_ms=round(sum(s.host_wait_ms for s in series), 3))
 
 
 def stats_line(stats) -> str:

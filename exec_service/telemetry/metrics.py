@@ -81,6 +81,9 @@ class ExecMetrics:
         self.forward = Histogram("kiln:forward_time_seconds",
                                  "Forward time of each engine step (GPU time on CUDA), by batch size and phase",
                                  [MODEL, "batch_size", "phase"], buckets=FORWARD_BUCKETS, registry=registry)
+        self.host_wait = Counter("kiln:step_host_wait_seconds",
+                                 "Seconds the device waited for the host before engine steps whose work was queued "
+                                 "(GPU idle time the host caused), by phase", [MODEL, "phase"], registry=registry)
         self._loads: Callable[[], Iterable[EngineLoad]] = tuple
         registry.register(_EngineGauges(lambda: self._loads()))
 
@@ -91,6 +94,8 @@ class ExecMetrics:
     def __call__(self, step: StepRecord) -> None:
         """A step observer (the engine thread)."""
         self.forward.labels(step.model, str(step.batch_size), step.phase).observe(step.forward_ms / 1000)
+        if step.host_wait_ns >= 0:
+            self.host_wait.labels(step.model, step.phase).inc(step.host_wait_ns / 1e9)
 
     def request_ended(self, model: str, seq: Sequence, status: str) -> None:
         """A request listener of RequestSpans (the event loop), once its stream ends however it ends."""
