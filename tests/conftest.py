@@ -16,6 +16,7 @@ import pytest
 from kiln.client.channels import connect
 from kiln.client.compile import compile_model
 from kiln.client.load import load
+from kiln.rpc.grpc_server import new_event_loop
 from protos import common_pb2, compile_pb2, compile_pb2_grpc, exec_pb2, exec_pb2_grpc
 
 # The compile config every test shares, so the tiny model compiles once per session.
@@ -40,10 +41,10 @@ def wait_until_healthy(url: str, child: subprocess.Popen, log: Path, timeout_s: 
 
 
 class BackgroundServer:
-    """A grpc.aio server running on its own event loop in a daemon thread."""
+    """A grpc.aio server running on its own event loop in a daemon thread: the loop the CLI's servers run on."""
 
     def __init__(self, start_coro_factory):
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.server, self.port = self.run(start_coro_factory())

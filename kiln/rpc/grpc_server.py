@@ -322,7 +322,19 @@ def serve_until_signal(start, grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
         server, _ = await start()
         await server.serve_until_signal(grace, stop)
 
-    asyncio.run(serve())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(serve())
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (a dependency but on Windows), as vLLM's API server runs on: streaming a
+    token over gRPC costs the execute service's event loop ~16% less CPU on it (bench/serving.py at rate inf on the
+    CPU host, BENCHMARKS.md), CPU that at rate inf the engine thread shares under the GIL; asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def _stop_on_signals() -> asyncio.Event:
