@@ -13,7 +13,9 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from exec_service.openai.gateway_metrics import GatewayMetrics
 from exec_service.openai.http_limits import HttpLimits
 from exec_service.openai.server import ApiServer, ApiServerSettings
 from kiln_cli.service_process import free_port, kiln_command
@@ -22,9 +24,9 @@ pytest.importorskip("uvicorn", exc_type=ImportError)
 
 
 @contextmanager
-def gateway(limits: HttpLimits, max_request_bytes: int = 4 * 1024 * 1024):
+def gateway(limits: HttpLimits, max_request_bytes: int = 4 * 1024 * 1024, metrics: GatewayMetrics | None = None):
     server = ApiServer(ApiServerSettings("127.0.0.1", 0, f"127.0.0.1:{free_port()}",
-                                         max_request_bytes=max_request_bytes, limits=limits))
+                                         max_request_bytes=max_request_bytes, limits=limits), metrics)
     port = server.start()
     try:
         yield port
@@ -79,7 +81,8 @@ def test_an_endless_header_is_431_before_the_server_holds_more_than_its_bound():
 
 
 def test_a_head_over_the_bound_is_answered_431_in_openais_shape():
-    with gateway(HttpLimits(max_head_bytes=4096)) as port:
+    registry = CollectorRegistry()
+    with gateway(HttpLimits(max_head_bytes=4096), metrics=GatewayMetrics(registry)) as port:
         conn = socket.create_connection(("127.0.0.1", port))
         conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
         for _ in range(4):  # in pieces: the bound counts what the head has sent so far, not one read
@@ -95,6 +98,10 @@ def test_a_head_over_the_bound_is_answered_431_in_openais_shape():
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         status, error, _ = answer(conn, 30)
         assert status == 503 and error["code"] == "service_unavailable"  # it reached the app: nothing behind it
+    # The refusal before any path was read is counted, under the catch-all endpoint.
+    assert registry.get_sample_value("kiln:api_requests_total", {"endpoint": "other", "status": "431"}) == 1
+    assert registry.get_sample_value("kiln:api_requests_total",
+                                     {"endpoint": "/v1/completions", "status": "503"}) == 1
 
 
 def test_a_head_that_never_ends_and_a_silent_connection_are_closed_after_the_head_timeout():

@@ -3,6 +3,7 @@
 
 import json
 from asyncio import TimerHandle, Transport
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -21,11 +22,13 @@ def refusal(status: int, message: str, code: str) -> bytes:
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    """The protocol of one connection; uvicorn makes one per connection, with ``limits`` bound in by the server."""
+    """The protocol of one connection; uvicorn makes one per connection, with ``limits`` (and ``refused``, told each
+    refusal's status: the gateway's request counter) bound in by the server."""
 
-    def __init__(self, *args, limits: HttpLimits, **kwargs):
+    def __init__(self, *args, limits: HttpLimits, refused: Callable[[int], None] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self._on_refused = refused
         self._in_head = True  # every byte read since the last head ended, while this holds, is the next head's
         self._head_bytes = 0
         self._head_deadline: TimerHandle | None = None
@@ -83,3 +86,5 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_head_deadline()
         self.transport.write(refusal(status, message, code))
         self.transport.close()
+        if self._on_refused is not None:
+            self._on_refused(status)

@@ -52,7 +52,9 @@ class ApiServer:
         # The asyncio loop, not uvloop where it is installed: the one grpc.aio's channels are built and tested on
         # (and no faster here: bench/gateway_overhead.py). The HTTP parser is httptools, a dependency, rather than
         # h11: ~0.2 ms of a request's first token and 0.4 ms of CPU less; its protocol with Kiln's bounds.
-        protocol = functools.partial(BoundedHttpToolsProtocol, limits=settings.limits)
+        # Refused before a path is read: counted under the catch-all endpoint label.
+        refused = functools.partial(metrics.request_done, "other") if metrics is not None else None
+        protocol = functools.partial(BoundedHttpToolsProtocol, limits=settings.limits, refused=refused)
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", loop="asyncio",
                                 http=protocol,
                                 ssl_certfile=settings.https_cert, ssl_keyfile=settings.https_key,
