@@ -49,8 +49,9 @@ class ApiServer:
         self.settings = settings
         app = build_app(client_factory or (lambda: ExecClient(settings.target, settings.tls, settings.server_name)),
                         metrics, settings.max_request_bytes, settings.limits)
-        # The asyncio loop, not uvloop where it is installed: the one grpc.aio's channels are built and tested on
-        # (and no faster here: bench/gateway_overhead.py). The HTTP parser is httptools, a dependency, rather than
+        # asyncio's loop, not uvloop (which the CLI's gRPC servers run on): uvloop made no difference here beyond the
+        # runs' spread, to a lone request's first token (bench/gateway_overhead.py) or at rate inf through either
+        # HTTP path (bench/serving.py, thirteenth session). The HTTP parser is httptools, a dependency, rather than
         # h11: ~0.2 ms of a request's first token and 0.4 ms of CPU less; its protocol with Kiln's bounds.
         # Refused before a path is read: counted under the catch-all endpoint label.
         refused = functools.partial(metrics.request_done, "other") if metrics is not None else None
