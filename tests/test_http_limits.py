@@ -20,8 +20,6 @@ from exec_service.openai.http_limits import HttpLimits
 from exec_service.openai.server import ApiServer, ApiServerSettings
 from kiln_cli.service_process import free_port, kiln_command
 
-pytest.importorskip("uvicorn", exc_type=ImportError)
-
 
 @contextmanager
 def gateway(limits: HttpLimits, max_request_bytes: int = 4 * 1024 * 1024, metrics: GatewayMetrics | None = None):
