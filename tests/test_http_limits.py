@@ -6,6 +6,7 @@ reaches an execute service."""
 import json
 import os
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from exec_service.openai.gateway_metrics import GatewayMetrics
 from exec_service.openai.http_limits import HttpLimits
 from exec_service.openai.server import ApiServer, ApiServerSettings
+from kiln.rpc import keygen
 from kiln_cli.service_process import free_port, kiln_command
 
 
@@ -195,3 +197,32 @@ def test_kiln_api_server_takes_its_connection_cap_from_the_flag(tmp_path):
     refused = subprocess.run(kiln_command("api-server", "--exec-server", "127.0.0.1:1", "--max-http-connections", "0"),
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--max-http-connections: must be a count" in refused.stderr
+
+
+def test_https_serves_with_the_bounds_and_refuses_plaintext(tmp_path):
+    """--https-cert / --https-key: the OpenAI client's own stack (urllib here) reaches /health over TLS with the CA,
+    the head bound holds inside TLS, and a plaintext request to the port gets no HTTP answer."""
+    tls = keygen.tls_material(tmp_path, ["localhost", "127.0.0.1"])
+    server = ApiServer(ApiServerSettings("127.0.0.1", 0, f"127.0.0.1:{free_port()}", https_cert=str(tls.server_cert),
+                                         https_key=str(tls.server_key), limits=HttpLimits(max_head_bytes=4096)))
+    port = server.start()
+    try:
+        context = ssl.create_default_context(cafile=str(tls.ca))
+        with pytest.raises(urllib.error.HTTPError) as health:  # 503: nothing behind; answered over TLS
+            urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=30, context=context)
+        assert health.value.code == 503
+        health.value.close()  # a kept-alive TLS connection left open would hold the server's stop for its grace
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1") as conn:
+            conn.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"a" * 8192 + b"\r\n")
+            status, error, _ = answer(conn)
+        assert (status, error["code"]) == (431, "request_header_too_large")
+        plain = socket.create_connection(("127.0.0.1", port))
+        plain.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        plain.settimeout(10)
+        try:
+            reply = plain.recv(65536)
+        except ConnectionResetError:
+            reply = b""
+        assert not reply.startswith(b"HTTP/1.1 "), reply
+    finally:
+        server.stop()
