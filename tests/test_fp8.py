@@ -225,9 +225,9 @@ def test_fp8_kv_cache_doubles_the_blocks_and_serves(fp8_stub):
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and said in raised.value.details()
 
 
-def test_an_fp8_layer_runs_one_scaled_mm_per_projection_group():
+def test_an_fp8_layer_runs_one_fp8_product_per_projection_group():
     """q/k/v and gate/up each ask for their group's product; the compile service's pass leaves one quantize and one
-    _scaled_mm per group (Dynamo and Inductor leave three): 7 become 4."""
+    FP8 product (kiln::fp8_mm) per group (Dynamo and Inductor leave three): 7 become 4."""
     from compile_service.pipeline import _layer_examples
     from kiln.model.merged_projections import merge_identical_linears
 
@@ -238,7 +238,7 @@ def test_an_fp8_layer_runs_one_scaled_mm_per_projection_group():
 
     def count_products(gm, example_inputs):
         def products():
-            return sum(n.op == "call_function" and n.target is torch._scaled_mm for n in gm.graph.nodes)
+            return sum(n.op == "call_function" and n.target is torch.ops.kiln.fp8_mm.default for n in gm.graph.nodes)
 
         before = products()
         merged = merge_identical_linears(gm)

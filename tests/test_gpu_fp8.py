@@ -32,7 +32,7 @@ def test_scaled_mm_rowwise_is_the_dequantized_product():
 
 
 def test_inductor_fuses_the_activation_quantize_into_the_norm():
-    """The RMSNorm and the per-token quantize after it are one Triton kernel; the GEMM is _scaled_mm."""
+    """The RMSNorm and the per-token quantize after it are one Triton kernel; the GEMM is kiln::fp8_mm."""
     from torch._inductor.utils import run_and_get_code
 
     from kiln.quantization.fp8_linear import fp8_linear, quantize_rows
@@ -47,8 +47,8 @@ def test_inductor_fuses_the_activation_quantize_into_the_norm():
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     _, (code, *_) = run_and_get_code(torch.compile(layer), x)
     kernels = [line for line in code.splitlines() if "@triton.jit" in line or "def triton_" in line]
-    print("\n".join(line for line in code.splitlines() if "def triton_" in line or "scaled_mm" in line))
-    assert "scaled_mm" in code
+    print("\n".join(line for line in code.splitlines() if "def triton_" in line or "fp8_mm" in line))
+    assert "kiln.fp8_mm" in code
     fused = [line for line in code.splitlines() if line.startswith("def triton_") and "mean" in line
              and ("amax" in line or "abs" in line)]
     assert fused, kernels

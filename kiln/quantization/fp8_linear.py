@@ -1,8 +1,9 @@
 """An FP8 linear layer: float8_e4m3fn weights with one scale per output row, activations quantized per token.
 
-The product is ``torch._scaled_mm`` (cuBLASLt row-wise scaling on Hopper, oneDNN on the CPU), so the CPU runs the
-real path. The activation quantize is plain torch ops in the traced graph, where Inductor fuses it into the kernel
-that makes the activation (the RMSNorm before q/k/v and gate/up, SiLU×up before down; docs/fp8.md).
+The product is ``torch.ops.kiln.fp8_mm``: ``torch._scaled_mm`` (cuBLASLt row-wise scaling on Hopper, oneDNN on the
+CPU, so the CPU runs the real path), or for decode-sized steps on CUDA Kiln's own kernel (kiln.quantization.fp8_mm,
+fp8_small_m). The activation quantize is plain torch ops in the traced graph, where Inductor fuses it into the
+kernel that makes the activation (the RMSNorm before q/k/v and gate/up, SiLU×up before down; docs/fp8.md).
 
 Weights are module tensors like any other: a compiled layer takes them as call inputs, never as constants. (Not
 torchao's Float8 config: it runs on CUDA of compute capability 8.9+ only, and its weights are tensor subclasses;
@@ -10,6 +11,8 @@ docs/fp8.md.)
 """
 
 import torch
+
+from kiln.quantization.fp8_mm import fp8_mm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -45,7 +48,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     q, scale = quantize_tokens(rows) if input_scale is None else quantize_static(rows, input_scale)
     # cuBLASLt's row-wise scaling writes bfloat16 only; the CPU writes any dtype.
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)
+    out = fp8_mm(q, scale, weight, weight_scale, out_dtype)
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias

@@ -1,0 +1,98 @@
+"""Kiln's FP8 GEMM for decode-sized steps (torch.ops.kiln.fp8_mm runs it for up to SMALL_M rows on CUDA).
+
+On CUDA 12.9+ PyTorch hands a row-wise ``_scaled_mm`` to cuBLASLt, which runs every GEMM of 1–32 rows with one
+128 x 128 tile: an FP8 decode layer took 2.81x its weight-read floor on the H200, longer than bf16's (BENCHMARKS.md,
+"FP8 decode"). This kernel puts the weight first in the FP8 tensor-core dot ("swap A and B", as vLLM's and
+CUTLASS's small-M configs do: the weight's rows are the dot's 64-row side, the few tokens the other) and splits K so
+that every SM streams weight bytes, the partial sums added by a second kernel.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
+NUM_WARPS, NUM_STAGES = 4, 4
+MAX_SPLIT_K = 8
+REDUCE_BLOCK = 1024
+
+
+# M (the step's tokens) is not specialised on (Triton would build a variant for 1, for multiples of 16 and for the
+# rest): one build per layer shape and power-of-two BLOCK_M, before ready.
+@triton.jit(do_not_specialize=["M"])
+def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
+    """out.T[N, M] = w[N, K] @ x.T[K, M] over this program's 1/SPLIT_K of K (K a multiple of SPLIT_K * BLOCK_K), both
+    operands FP8, times the token scales; with SPLIT_K 1 times the row scales too and stored as bf16, else float32
+    partials [SPLIT_K, M, N] for _reduce_kernel."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    per_split = K // SPLIT_K
+    rk = split * per_split + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
+    w_mask, x_mask = rn[:, None] < N, rm[None, :] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, per_split, BLOCK_K):
+        acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.load(x_ptrs, mask=x_mask, other=0.0), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    acc *= tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)[None, :]
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    if SPLIT_K == 1:
+        w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], (acc * w_scale[:, None]).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _reduce_kernel(part_ptr, w_scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n, as bf16."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
+    w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
+    tl.store(out_ptr + m * stride_om + rn, (acc * w_scale).to(tl.bfloat16), mask=rn < N)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def split_k(n: int, k: int, block_k: int, sms: int) -> int:
+    """The fewest splits of K that give every SM two programs (at most MAX_SPLIT_K; each split whole BLOCK_Ks)."""
+    tiles, splits = triton.cdiv(n, BLOCK_N), 1
+    while tiles * splits < 2 * sms and splits < MAX_SPLIT_K and k % (block_k * splits * 2) == 0:
+        splits *= 2
+    return splits
+
+
+def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """FP8 ``q`` [M, K] with token scales [M] times the FP8 ``weight`` [N, K] with row scales [N] -> bf16 [M, N],
+    for a few rows M and K a multiple of 128. ``config`` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) is for
+    bench/fp8_gemm.py's sweep; None: this module's choice."""
+    m, k = q.shape
+    n = weight.shape[0]
+    if config is None:
+        block_k = 256 if k % 256 == 0 else 128
+        config = (BLOCK_N, block_k, split_k(n, k, block_k, _num_sms(q.device)), NUM_WARPS, NUM_STAGES)
+    block_n, block_k, splits, num_warps, num_stages = config
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
+    _swap_ab_kernel[(triton.cdiv(n, block_n), splits)](
+        q, scale, weight, weight_scale, out, part, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, weight_scale, out, m, n, out.stride(0), SPLIT_K=splits,
+                                                          BLOCK=REDUCE_BLOCK)
+    return out
