@@ -1,7 +1,10 @@
 """``torch.ops.kiln.fp8_mm``: the FP8 linears' product, ``torch._scaled_mm`` with row-wise scales, or for up to
 SMALL_M rows on CUDA Kiln's own kernel (kiln.quantization.fp8_small_m), where cuBLASLt's one 128 x 128 tile leaves
-the weights' bandwidth unused. An op of its own, opaque to Inductor: a compiled layer calls it where it called
-``_scaled_mm``, and the row count picks the kernel at run time (a CUDA graph keeps the pick of its size).
+the weights' bandwidth unused. On CUDA, cuBLASLt accumulates in the tensor cores' own precision
+(``use_fast_accum``), as vLLM's CUTLASS FP8 kernels on Hopper do (their ``FP8FastAccum`` schedules), instead of
+adding the partial sums into float32 on the CUDA cores every few K blocks (bench/fp8_gemm.py times both). An op of
+its own, opaque to Inductor: a compiled layer calls it where it called ``_scaled_mm``, and the row count picks the
+kernel at run time (a CUDA graph keeps the pick of its size).
 """
 
 import torch
@@ -18,7 +21,8 @@ def fp8_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_sc
         from kiln.quantization.fp8_small_m import small_m_mm  # Triton: only where CUDA runs
 
         return small_m_mm(q, scale.reshape(-1).contiguous(), weight, weight_scale)
-    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype)
+    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype,
+                            use_fast_accum=q.is_cuda)
 
 
 @fp8_mm.register_fake
