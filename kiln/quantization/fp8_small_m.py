@@ -16,7 +16,7 @@ import triton.language as tl
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
 NUM_WARPS, NUM_STAGES = 4, 4
 MAX_SPLIT_K = 8
-REDUCE_BLOCK = 1024
+REDUCE_BLOCK = 256  # outputs a reduce program sums: a 1-row step of N 4096 still spreads over 16 programs
 
 
 # M (the step's tokens) is not specialised on (Triton would build a variant for 1, for multiples of 16 and for the
