@@ -11,9 +11,9 @@ token counts, to find the FP8 product a decode-sized step should use (issue 24: 
   weight first ("swap A and B", optionally split over K with a reduce kernel after), and a GEMV without a dot for
   up to 4 tokens;
 - the swap-AB kernel with both operands FP8 (W8A8 as ``_scaled_mm``: the quantized activation and the weight go into
-  the FP8 tensor-core dot unwidened). ``--graphs`` times it against ``_scaled_mm`` replayed from CUDA graphs, as a
-  served step runs both: the figure that decides whether it replaces ``_scaled_mm`` for decode-sized steps
-  (cuBLASLt runs every row-wise FP8 GEMM of 1–32 rows with one 128 x 128 tile, BENCHMARKS.md).
+  the FP8 tensor-core dot unwidened). ``--graphs`` times it against bf16, ``_scaled_mm`` and the weight-only swap-AB, all
+  replayed from CUDA graphs, as a served step runs them: the figures that decide what replaces ``_scaled_mm`` for
+  decode-sized steps (cuBLASLt runs every row-wise FP8 GEMM of 1–32 rows with one 128 x 128 tile, BENCHMARKS.md).
 
 With TRITON_INTERPRET=1 and --check, it runs the candidates on the CPU against the dequantized product instead.
 
@@ -254,24 +254,31 @@ def graph_us(fn) -> float:
 
 
 def in_graphs(tokens: list[int]) -> None:
-    """``_scaled_mm`` (fast accumulation) against Kiln's FP8-dot swap-AB kernel at the config it picks and at the
-    best of FP8_DOT_CONFIGS, each replayed from CUDA graphs: µs and the weight's bytes per second."""
-    print("| tokens | GEMM | weight MB | _scaled_mm us (TB/s) | FP8-dot swap-AB, Kiln's pick us (TB/s) "
-          "| best config us (TB/s), config | _scaled_mm / Kiln's pick |")
-    print("|---|---|---|---|---|---|---|")
+    """bf16's ``F.linear``, ``_scaled_mm`` (fast accumulation), Kiln's FP8-dot swap-AB kernel at the config it picks
+    and at the best of FP8_DOT_CONFIGS, and the weight-only swap-AB (bf16 activation, no quantize) at the best of
+    SWAP_AB_CONFIGS, each replayed from CUDA graphs: µs and the weight's bytes per second."""
+    print("| tokens | GEMM | FP8 weight MB | bf16 us (TB/s) | _scaled_mm us (TB/s) "
+          "| FP8-dot swap-AB, Kiln's pick us (TB/s) | best config us (TB/s), config "
+          "| weight-only swap-AB us (TB/s), config | _scaled_mm / Kiln's pick |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in tokens:
         for name, n, k in GEMMS:
-            q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
-            xq, x_scale = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            q, scale = quantize_rows(w)
+            xq, x_scale = quantize_tokens(x)
             w_scale = scale.reshape(1, -1)
+            bf16 = graph_us(lambda x=x, w=w: F.linear(x, w))
             gemm = graph_us(lambda a=xq, s=x_scale, q=q, t=w_scale: torch._scaled_mm(
                 a, q.t(), scale_a=s, scale_b=t, out_dtype=torch.bfloat16, use_fast_accum=True))
             picked = graph_us(lambda a=xq, s=x_scale, q=q, t=scale: fp8_swap_ab(a, s, q, t, None))
             timed, config = best_of(lambda c, a=xq, s=x_scale, q=q, t=scale: fp8_swap_ab(a, s, q, t, c),
                                     [c for c in FP8_DOT_CONFIGS if k % (c[1] * c[2]) == 0], graph_us)
+            wo, wo_config = best_of(lambda c, x=x, q=q, t=scale: swap_ab(x, q, t, c), SWAP_AB_CONFIGS, graph_us)
             mb = n * k / 1e6
-            print(f"| {m} | {name} | {mb:.1f} | {gemm:.1f} ({mb / gemm:.2f}) | {picked:.1f} ({mb / picked:.2f}) | "
-                  f"{timed:.1f} ({mb / timed:.2f}), {config} | {gemm / picked:.2f}x |", flush=True)
+            print(f"| {m} | {name} | {mb:.1f} | {bf16:.1f} ({2 * mb / bf16:.2f}) | {gemm:.1f} ({mb / gemm:.2f}) | "
+                  f"{picked:.1f} ({mb / picked:.2f}) | {timed:.1f} ({mb / timed:.2f}), {config} | "
+                  f"{wo:.1f} ({mb / wo:.2f}), {wo_config} | {gemm / picked:.2f}x |", flush=True)
 
 
 def check() -> None:
@@ -309,7 +316,7 @@ def main() -> None:
     p.add_argument("--tokens", default="1,32,2048")
     p.add_argument("--check", action="store_true", help="check the candidates' values only (CPU: TRITON_INTERPRET=1)")
     p.add_argument("--graphs", action="store_true",
-                   help="only _scaled_mm against the FP8-dot swap-AB kernel, both timed in CUDA graphs")
+                   help="bf16, _scaled_mm, the FP8-dot and the weight-only swap-AB kernels, timed in CUDA graphs")
     args = p.parse_args()
     if args.check:
         check()
