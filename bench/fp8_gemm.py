@@ -11,9 +11,10 @@ token counts, to find the FP8 product a decode-sized step should use (issue 24: 
   weight first ("swap A and B", optionally split over K with a reduce kernel after), and a GEMV without a dot for
   up to 4 tokens;
 - the swap-AB kernel with both operands FP8 (W8A8 as ``_scaled_mm``: the quantized activation and the weight go into
-  the FP8 tensor-core dot unwidened). ``--graphs`` times it against bf16, ``_scaled_mm`` and the weight-only swap-AB, all
-  replayed from CUDA graphs, as a served step runs them: the figures that decide what replaces ``_scaled_mm`` for
-  decode-sized steps (cuBLASLt runs every row-wise FP8 GEMM of 1–32 rows with one 128 x 128 tile, BENCHMARKS.md).
+  the FP8 tensor-core dot unwidened). ``--graphs`` times it against bf16, ``_scaled_mm`` and the weight-only
+  swap-AB, all replayed from CUDA graphs, as a served step runs them: the figures that decide what replaces
+  ``_scaled_mm`` for decode-sized steps (cuBLASLt runs every row-wise FP8 GEMM of 1–32 rows with one 128 x 128 tile,
+  BENCHMARKS.md).
 
 With TRITON_INTERPRET=1 and --check, it runs the candidates on the CPU against the dequantized product instead.
 
