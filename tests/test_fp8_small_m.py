@@ -36,9 +36,10 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
     got = small_m_mm(xq, x_scale.reshape(-1).contiguous(), q, scale)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    # FP8 tensor cores accumulate with fewer mantissa bits than float32 (as cuBLASLt's fast accumulation): over
-    # K = 4,096 products of these magnitudes (outputs ~1.3) that is a few thousandths, about one bf16 step.
-    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    # FP8 tensor cores accumulate with fewer mantissa bits than float32, so the error grows with K: on the H200 the
+    # kernel's largest was 1.0% of the outputs' spread at K = 4,096 and 1.7% at 14,336, cuBLASLt's own _scaled_mm
+    # 1.0% and 1.2%; bf16's rounding of the largest outputs is of that size too.
+    torch.testing.assert_close(got.float(), want, atol=2e-2 * want.std().item(), rtol=1e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the op picks the kernel on CUDA only")
