@@ -4,7 +4,8 @@ On CUDA 12.9+ PyTorch hands a row-wise ``_scaled_mm`` to cuBLASLt, which runs ev
 128 x 128 tile: an FP8 decode layer took 2.81x its weight-read floor on the H200, longer than bf16's (BENCHMARKS.md,
 "FP8 decode"). This kernel puts the weight first in the FP8 tensor-core dot ("swap A and B", as vLLM's and
 CUTLASS's small-M configs do: the weight's rows are the dot's 64-row side, the few tokens the other) and splits K so
-that every SM streams weight bytes, the partial sums added by a second kernel.
+that more SMs stream weight bytes where the weight's rows are few (until half the SMs have a program), the partial
+sums added by a second kernel.
 """
 
 import functools
