@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kiln.quantization.fp8_linear import fp8_linear, quantize_rows, quantize_tokens
-from kiln.quantization.fp8_small_m import small_m_mm
+from kiln.quantization.fp8_small_m import REDUCE_BLOCK, reduce_kernel, small_m_mm
 
 # (name, out_features, in_features) of Llama-3-8B's merged projections
 GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -120,19 +120,6 @@ def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_
 
 
 @triton.jit
-def _split_k_reduce_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """out[m, n] = sum over the splits of part[s, m, n], times scale[n]."""
-    m = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
-    scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
-    tl.store(out_ptr + m * stride_om + rn, (acc * scale).to(out_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """The same product for M <= BLOCK_M <= 4 tokens without a dot: products summed in float32 registers."""
@@ -181,8 +168,8 @@ def _launch_split(kernel, x, weight, scale, config, block_m, **constexprs) -> to
         x, weight, scale, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **constexprs)
     if split_k > 1:
-        _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](part, scale, out, m, n, out.stride(0), SPLIT_K=split_k,
-                                                          BLOCK=1024)
+        reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, scale, out, m, n, out.stride(0), SPLIT_K=split_k,
+                                                          BLOCK=REDUCE_BLOCK)
     return out
 
 

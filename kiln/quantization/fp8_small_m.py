@@ -28,7 +28,7 @@ def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M
                     SPLIT_K: tl.constexpr):
     """out.T[N, M] = w[N, K] @ x.T[K, M] over this program's 1/SPLIT_K of K (K a multiple of SPLIT_K * BLOCK_K), both
     operands FP8, times the token scales; with SPLIT_K 1 times the row scales too and stored as bf16, else float32
-    partials [SPLIT_K, M, N] for _reduce_kernel."""
+    partials [SPLIT_K, M, N] for reduce_kernel."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -52,7 +52,7 @@ def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M
 
 
 @triton.jit(do_not_specialize=["M"])
-def _reduce_kernel(part_ptr, w_scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n, as bf16."""
     m = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -96,6 +96,6 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, weight_scale, out, m, n, out.stride(0), SPLIT_K=splits,
+        reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, weight_scale, out, m, n, out.stride(0), SPLIT_K=splits,
                                                           BLOCK=REDUCE_BLOCK)
     return out
