@@ -102,8 +102,9 @@ def load_for_decode(args: argparse.Namespace, sizes: list[int]):
     return resolved, model, spec, caches, compiled, max_blocks
 
 
-def prefill_ms(model, compiled, tokens: int, vocab: int) -> float:
-    """One sequence's first ``tokens`` tokens in one compiled step over an empty paged cache of its own."""
+def prefill_step(model, compiled, tokens: int, vocab: int):
+    """One sequence's first ``tokens`` tokens in one compiled step over an empty paged cache of its own, with the
+    last token's logits: a function that runs it."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     blocks = -(-tokens // BLOCK_SIZE)
@@ -122,7 +123,11 @@ def prefill_ms(model, compiled, tokens: int, vocab: int) -> float:
         with forward_context(ctx):
             model.logits(compiled(model, ids, positions)[-1:])
 
-    return time_ms(step, iters=10)
+    return step
+
+
+def prefill_ms(model, compiled, tokens: int, vocab: int) -> float:
+    return time_ms(prefill_step(model, compiled, tokens, vocab), iters=10)
 
 
 def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:

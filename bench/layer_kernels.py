@@ -3,10 +3,13 @@ per decoder layer, at a few batch sizes, each against the layer's share of the m
 
 A kernel is a layer's when it runs a multiple of num_hidden_layers times per step; the rest (embedding, final norm,
 the head and the logits) is listed once per step. The floor of a layer is its weight bytes plus the KV bytes its
-attention reads, over the copy bandwidth measured in this run.
+attention reads, over the copy bandwidth measured in this run. With --prefill-tokens N the table gains one
+prefill step of N tokens from scratch (compiled, launched from Python, as a chunk past the mixed graphs runs):
+compute-bound, so it has no bandwidth floor.
 
 usage: python bench/layer_kernels.py --bundle STORE/KEY [--trusted-keys KEYS] [--preset llama-3-8b]
-                                     [--batch-sizes 1,8,32] [--json-out FILE]
+                                     [--batch-sizes 1,8,32] [--prefill-tokens 2048] [--quantization fp8]
+                                     [--json-out FILE]
 """
 
 import json
@@ -22,6 +25,7 @@ from forward_latency import (
     decode_metadata,
     fill_step_buffers,
     load_for_decode,
+    prefill_step,
 )
 
 from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
@@ -33,9 +37,9 @@ STEPS = 20  # replays profiled per batch size
 
 
 def kind_of(name: str) -> str:
-    """A kernel's role, from the names cuBLAS, Inductor and Kiln's attention kernels give them."""
+    """A kernel's role, from the names cuBLAS, Inductor and Kiln's attention and FP8 GEMM kernels give them."""
     lowered = name.lower()
-    if re.search(r"gemm|gemv|nvjet|cutlass|xmma|sm90|splitk|matmul|mm_", lowered):
+    if re.search(r"gemm|gemv|nvjet|cutlass|xmma|sm90|splitk|matmul|mm_|swap_ab|reduce_kernel", lowered):
         return "GEMM"
     if "attention" in lowered or "decode" in lowered or "prefill" in lowered or "kv_" in lowered:
         return "attention (Kiln)"
@@ -94,7 +98,7 @@ def main() -> None:
 
     report = {"preset": args.preset, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "bandwidth": bandwidth, "weights_bytes": weights_bytes(model), "layer_weight_bytes": layer_weight_bytes,
-              "sizes": {}}
+              "quantization": args.quantization, "sizes": {}}
     for bs in sizes:
         meta = decode_metadata(bs, args.context, max_blocks)
         fill_step_buffers(buffers, torch.randint(0, config.vocab_size, (bs,), device="cuda"),
@@ -108,16 +112,27 @@ def main() -> None:
                                "layer_us": sum(k["us"] for k in per_layer), "rest_us": sum(k["us"] for k in rest)}
         print(json.dumps({"batch_size": bs, "layer_floor_us": floor_us,
                           "layer_us": report["sizes"][bs]["layer_us"]}), flush=True)
+    if args.prefill_tokens:
+        kernels = profile_step(prefill_step(model, compiled, args.prefill_tokens, config.vocab_size), 5)
+        per_layer, rest = layer_table(kernels, layers)
+        report["sizes"][f"prefill {args.prefill_tokens}"] = {
+            "layer_floor_us": None, "per_layer": per_layer, "rest": rest,
+            "layer_us": sum(k["us"] for k in per_layer), "rest_us": sum(k["us"] for k in rest)}
     print_tables(report)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=1))
 
 
+def size_label(size) -> str:
+    return f"bs {size}" if isinstance(size, int) else size
+
+
 def print_tables(report: dict) -> None:
     sizes = list(report["sizes"])
-    print(f"\n{report['preset']} bf16 decode, one decoder layer, {report['device']}, {report['date']}; copy bandwidth "
+    print(f"\n{report['preset']} {report['quantization'] or 'bf16'}, one decoder layer, {report['device']}, "
+          f"{report['date']}; copy bandwidth "
           f"{report['bandwidth'] / 1e12:.2f} TB/s, layer weights {report['layer_weight_bytes'] / 1e6:.1f} MB")
-    print("| kernel | kind | calls/layer | " + " | ".join(f"bs {bs} µs (% of floor)" for bs in sizes) + " |")
+    print("| kernel | kind | calls/layer | " + " | ".join(f"{size_label(bs)} µs (% of floor)" for bs in sizes) + " |")
     print("|---|---|---|" + "---|" * len(sizes))
     names: dict[str, dict] = {}
     for bs in sizes:
@@ -127,12 +142,14 @@ def print_tables(report: dict) -> None:
         cells = []
         for bs in sizes:
             us, floor = row.get(bs), report["sizes"][bs]["layer_floor_us"]
-            cells.append("–" if us is None else f"{us:.1f} ({100 * us / floor:.0f}%)")
+            cells.append("–" if us is None else f"{us:.1f}" if floor is None else f"{us:.1f} ({100 * us / floor:.0f}%)")
         print(f"| `{name[:70]}` | {row['kind']} | {row['calls']} | " + " | ".join(cells) + " |")
     totals = []
     for bs in sizes:
         s = report["sizes"][bs]
-        totals.append(f"{s['layer_us']:.1f} / {s['layer_floor_us']:.1f} = {s['layer_us'] / s['layer_floor_us']:.2f}x")
+        floor = s["layer_floor_us"]
+        totals.append(f"{s['layer_us']:.1f}" if floor is None else
+                      f"{s['layer_us']:.1f} / {floor:.1f} = {s['layer_us'] / floor:.2f}x")
     print("| **layer total / floor** | | | " + " | ".join(totals) + " |")
     print("| rest of the step (embedding, final norm, head) µs | | | "
           + " | ".join(f"{report['sizes'][bs]['rest_us']:.1f}" for bs in sizes) + " |")
