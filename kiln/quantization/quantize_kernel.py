@@ -1,0 +1,72 @@
+"""Kiln's Triton kernel for an activation's per-token FP8 quantize, of the activation itself or of SiLU(gate) × up.
+
+One program a token. A row that fits ONE_PASS_MAX elements is read once into registers: its amax, scale and float8
+values come from the same load. A wider row (Llama-3.1-70B's 28,672) is read twice in blocks, the second time
+mostly from L2. The values are those of kiln.quantization.activation_quant's torch ops: SiLU and the product rounded
+to the activation's dtype as eager rounds them, the scale max(amax / 448, MIN_SCALE), x / scale clamped to ±448.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.quantization.activation_quant import FP8, MIN_SCALE
+
+FP8_MAX = tl.constexpr(448.0)
+ONE_PASS_MAX = 16384  # widest row held in registers (Llama-3-8B's 14,336 MLP width)
+LOOP_BLOCK = 4096  # elements per step of a wider row's two passes
+
+
+@triton.jit
+def _activation(x_row, up_row, cols, width, GLU: tl.constexpr):
+    mask = cols < width
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    if GLU:
+        up = tl.load(up_row + cols, mask=mask, other=0.0)
+        gate = x.to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
+        x = (silu * up.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["width", "stride_x", "stride_up", "stride_q"])
+def _quantize_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, width, stride_x, stride_up, stride_q, min_scale,
+                     GLU: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    up_row = up_ptr + row * stride_up
+    q_row = q_ptr + row * stride_q
+    cols = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        y = _activation(x_row, up_row, cols, width, GLU)
+        scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, min_scale)
+        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < width)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, width, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_activation(x_row, up_row, start + cols, width, GLU)))
+        scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, min_scale)
+        for start in range(0, width, BLOCK):
+            y = _activation(x_row, up_row, start + cols, width, GLU)
+            q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+            tl.store(q_row + start + cols, q.to(q_ptr.dtype.element_ty), mask=start + cols < width)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] (with ``up`` [M, K]: SiLU(x) × up), rows contiguous -> (float8 [M, K], float32 scale [M, 1])."""
+    m, width = x.shape
+    q = torch.empty(m, width, dtype=FP8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = triton.next_power_of_2(width)
+    one_pass = block <= ONE_PASS_MAX
+    if not one_pass:
+        block = LOOP_BLOCK
+    other = x if up is None else up
+    _quantize_kernel[(m,)](x, other, q, scale, width, x.stride(0), other.stride(0), q.stride(0), MIN_SCALE,
+                           GLU=up is not None, BLOCK=block, ONE_PASS=one_pass,
+                           num_warps=max(4, min(16, block // 1024)))
+    return q, scale
