@@ -2,8 +2,9 @@
 
 One program a token. A row that fits ONE_PASS_MAX elements is read once into registers: its amax, scale and float8
 values come from the same load. A wider row (Llama-3.1-70B's 28,672) is read twice in blocks, the second time
-mostly from L2. The values are those of kiln.quantization.activation_quant's torch ops: SiLU and the product rounded
-to the activation's dtype as eager rounds them, the scale max(amax / 448, MIN_SCALE), x / scale clamped to ±448.
+mostly from L2. The values are those of kiln.quantization.activation_quant's torch ops, computed in float32 as
+Inductor's fused kernels compute them (SiLU and the product not rounded to the activation's dtype between them): the
+scale max(amax / 448, MIN_SCALE), x / scale clamped to ±448.
 """
 
 import torch
@@ -21,12 +22,11 @@ LOOP_BLOCK = 4096  # elements per step of a wider row's two passes
 def _activation(x_row, up_row, cols, width, GLU: tl.constexpr):
     mask = cols < width
     x = tl.load(x_row + cols, mask=mask, other=0.0)
+    x = x.to(tl.float32)
     if GLU:
         up = tl.load(up_row + cols, mask=mask, other=0.0)
-        gate = x.to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
-        x = (silu * up.to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)
+        x = x * tl.sigmoid(x) * up.to(tl.float32)
+    return x
 
 
 @triton.jit(do_not_specialize=["width", "stride_x", "stride_up", "stride_q"])
@@ -54,19 +54,23 @@ def _quantize_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, width, stride_x, stride_up
     tl.store(scale_ptr + row, scale)
 
 
-def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] (with ``up`` [M, K]: SiLU(x) × up), rows contiguous -> (float8 [M, K], float32 scale [M, 1])."""
+def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None,
+                      config: tuple[int, bool, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] (with ``up`` [M, K]: SiLU(x) × up), rows contiguous -> (float8 [M, K], float32 scale [M, 1]).
+    ``config`` (BLOCK, ONE_PASS, num_warps) is for a sweep; None: this module's choice."""
     m, width = x.shape
     q = torch.empty(m, width, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
-    block = triton.next_power_of_2(width)
-    one_pass = block <= ONE_PASS_MAX
-    if not one_pass:
-        block = LOOP_BLOCK
+    if config is None:
+        block = triton.next_power_of_2(width)
+        one_pass = block <= ONE_PASS_MAX
+        if not one_pass:
+            block = LOOP_BLOCK
+        config = (block, one_pass, max(4, min(16, block // 1024)))
+    block, one_pass, num_warps = config
     other = x if up is None else up
     _quantize_kernel[(m,)](x, other, q, scale, width, x.stride(0), other.stride(0), q.stride(0), MIN_SCALE,
-                           GLU=up is not None, BLOCK=block, ONE_PASS=one_pass,
-                           num_warps=max(4, min(16, block // 1024)))
+                           GLU=up is not None, BLOCK=block, ONE_PASS=one_pass, num_warps=num_warps)
     return q, scale
