@@ -22,11 +22,12 @@ SUBNORMAL_STEP = 2.0 ** -9  # float8_e4m3fn's spacing below its smallest normal 
 
 def assert_same_quantize(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
                          exact_share: float) -> None:
-    """Scales equal within two bfloat16 steps of the row's largest value (the kernel's SiLU is not torch's, and one
-    last bit of the largest value moves the scale); each float8 value within one float8 step of the reference's (1/8
-    of it, or one subnormal step), and at least ``exact_share`` of them equal. Under Triton's interpreter the casts
-    are not the GPU's round-to-nearest-even: the float8 one drops the carry of a mantissa rounded up (a value just
-    under 128 becomes 64, where cvt.rn gives 128), so there a value is held within 60% of it and no share equal."""
+    """Scales equal within two bfloat16 steps of the row's largest value; each float8 value within one float8 step
+    of the reference's (1/8 of it, or one subnormal step), and at least ``exact_share`` of them equal (the kernel's
+    sigmoid is not torch's: a last bit of the largest value moves the scale, and with it a row's values). Under
+    Triton's interpreter the casts are not the GPU's round-to-nearest-even: the float8 one drops the carry of a
+    mantissa rounded up (a value just under 128 becomes 64, where cvt.rn gives 128), so there a value is held
+    within 60% of it and no share equal."""
     (q, scale), (want_q, want_scale) = got, want
     assert q.dtype == FP8 and scale.dtype == torch.float32
     assert q.shape == want_q.shape and scale.shape == want_scale.shape
@@ -55,14 +56,13 @@ def test_the_kernel_quantizes_as_the_torch_ops(m, width):
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("m", [1, 7, 64])
 def test_the_kernel_quantizes_silu_times_up_from_the_merged_product(m, width):
-    """gate and up are the two halves of gate/up's merged product, rows strided by twice the width. (A row whose
-    largest value's last bit differs from torch's has another scale, so fewer of its values are bit-equal.)"""
+    """gate and up are the two halves of gate/up's merged product, rows strided by twice the width."""
     from kiln.quantization.quantize_kernel import quantize_rows_fp8
 
     torch.manual_seed(width + m)
     merged = torch.randn(m, 2 * width, device=DEVICE, dtype=torch.bfloat16) * 3
     gate, up = merged[:, :width], merged[:, width:]
-    assert_same_quantize(quantize_rows_fp8(gate, up), quantize_tokens(silu_mul(gate, up)), exact_share=0.5)
+    assert_same_quantize(quantize_rows_fp8(gate, up), quantize_tokens(silu_mul(gate, up)), exact_share=0.9)
 
 
 def test_no_rows_is_no_launch():

@@ -29,8 +29,9 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) × up as the eager MLP computes it, each op rounded to the activation's dtype."""
-    return F.silu(gate) * up
+    """SiLU(gate) × up in float32, as Inductor's fused kernel computes it before the quantize (not rounded to the
+    activation's dtype between the ops, as eager rounds them)."""
+    return F.silu(gate.float()) * up.float()
 
 
 torch.library.define("kiln::quantize_tokens", "(Tensor x) -> (Tensor, Tensor)")
