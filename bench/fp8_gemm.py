@@ -30,8 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.quantization.activation_quant import quantize_tokens
-from kiln.quantization.fp8_linear import fp8_linear, quantize_rows
+from kiln.quantization.fp8_linear import fp8_linear, quantize_rows, quantize_tokens
 from kiln.quantization.fp8_small_m import REDUCE_BLOCK, reduce_kernel, small_m_mm
 
 # (name, out_features, in_features) of Llama-3-8B's merged projections

@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 
-from kiln.quantization.activation_quant import quantize_tokens
-from kiln.quantization.fp8_linear import quantize_rows
+from kiln.quantization.fp8_linear import quantize_rows, quantize_tokens
 from kiln.quantization.fp8_mm import SMALL_M, fp8_mm
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
