@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 
 from kiln.attention import reference as attention_reference
 from kiln.attention.forward_context import current_forward_context
+from kiln.dispatcher_op import dispatcher_op
 
 ATTENTION_IMPLEMENTATION = "kiln"
 ATTENTION_OP_NAME = "kiln::attention"
@@ -32,7 +33,12 @@ def asked_of(kwargs: dict, neutral: frozenset[str]) -> list[str]:
     return sorted(k for k, v in kwargs.items() if k not in neutral and v is not None and v is not False)
 
 
-@torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=())
+def _fake(q, k, v, layer, scale, window=0, softcap=0.0):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@dispatcher_op(ATTENTION_OP_NAME, "(Tensor q, Tensor k, Tensor v, Tensor layer, float scale, int window=0, "
+               "float softcap=0.0) -> Tensor", _fake)
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float, window: int = 0,
     softcap: float = 0.0,
@@ -53,11 +59,6 @@ def attention(
 
         return attention_triton.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap, kv_scale)
     return attention_reference.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap, kv_scale)
-
-
-@attention.register_fake
-def _(q, k, v, layer, scale, window=0, softcap=0.0):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, *,

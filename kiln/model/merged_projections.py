@@ -94,7 +94,7 @@ def merge_identical_linears(gm: torch.fx.GraphModule) -> int:
     return removed
 
 
-LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch._scaled_mm, fp8_mm._opoverload)
+LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch._scaled_mm, fp8_mm)
 # Calls whose result is not a function of their arguments alone: random numbers, and ops that read state.
 _STATEFUL = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "seed", "grad", "autocast")
 # The operator module's functions that change their first argument (``x += y`` on a tensor traces to iadd).

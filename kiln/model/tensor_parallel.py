@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from kiln.dispatcher_op import dispatcher_op
 from kiln.errors import InvalidArgument
 from kiln.model.merged_projections import GROUPS, ProjectionSlice
 from kiln.thread_value import ThreadValue
@@ -43,7 +44,11 @@ def tensor_parallel_group(group: torch.distributed.ProcessGroup) -> AbstractCont
     return _group.set(group)
 
 
-@torch.library.custom_op(TP_ALL_REDUCE_OP_NAME, mutates_args=())
+def _fake(partial):
+    return torch.empty_like(partial)
+
+
+@dispatcher_op(TP_ALL_REDUCE_OP_NAME, "(Tensor partial) -> Tensor", _fake)
 def tp_all_reduce(partial: torch.Tensor) -> torch.Tensor:
     """The sum of every rank's ``partial``. Outside a group (the compile service's forward that finds the layers'
     inputs, and the execute service's memory profile and warm-ups, which each rank runs alone) the shard's own partial
@@ -53,11 +58,6 @@ def tp_all_reduce(partial: torch.Tensor) -> torch.Tensor:
     if group is not None:
         group.allreduce([total]).wait()
     return total
-
-
-@tp_all_reduce.register_fake
-def _(partial):
-    return torch.empty_like(partial)
 
 
 class RowParallelLinear(torch.nn.Module):

@@ -9,10 +9,17 @@ kernel at run time (a CUDA graph keeps the pick of its size).
 
 import torch
 
+from kiln.dispatcher_op import dispatcher_op
+
 SMALL_M = 32  # rows up to which Kiln's kernel runs
 
 
-@torch.library.custom_op("kiln::fp8_mm", mutates_args=())
+def _fake(q, scale, weight, weight_scale, out_dtype):
+    return q.new_empty((q.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+@dispatcher_op("kiln::fp8_mm", "(Tensor q, Tensor scale, Tensor weight, Tensor weight_scale, ScalarType out_dtype) "
+               "-> Tensor", _fake)
 def fp8_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            out_dtype: torch.dtype) -> torch.Tensor:
     """``_scaled_mm(q, weight.t())`` with the token ``scale`` [M, 1] and row ``weight_scale`` [N], in ``out_dtype``
@@ -23,8 +30,3 @@ def fp8_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_sc
         return small_m_mm(q, scale.reshape(-1).contiguous(), weight, weight_scale)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype,
                             use_fast_accum=q.is_cuda)
-
-
-@fp8_mm.register_fake
-def _(q, scale, weight, weight_scale, out_dtype):
-    return q.new_empty((q.shape[0], weight.shape[0]), dtype=out_dtype)
