@@ -2,14 +2,18 @@
 
 Decode is memory-bound, so it is reported as achieved GB/s of KV cache read against the device's copy bandwidth;
 prefill as TFLOP/s of causal attention. Run from the repository root: ``python -m bench.attention_kernels``.
+``--prefill-tiles 128,32,8,2:64,32,4,2`` times the prefill kernel at each tile (query tokens a program, context
+tokens a step, warps, stages) instead, each output checked against the first tile's.
 """
 
+import argparse
 import time
 
 import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from kiln.attention import triton_kernels
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.attention.triton_kernels import paged_attention
 
@@ -83,8 +87,34 @@ def bench_prefill(batch: int, length: int) -> None:
     print(f"| prefill | {batch} | {length} | | {ms * 1e3:.1f} µs | {flops / ms / 1e9:.1f} TFLOP/s | | | |")
 
 
+def sweep_prefill_tiles(tiles: list[tuple[int, ...]]) -> None:
+    """Each tile's time at one 2,048-token prompt, 4 x 128 and 8 x 512 tokens, and its largest difference from the
+    first tile's output."""
+    cases = [(1, 2048), (4, 128), (8, 512)]
+    steps = {case: make_step([case[1]] * case[0], [case[1]] * case[0]) for case in cases}
+    print("| tile | " + " | ".join(f"{b} x {n} µs (TFLOP/s)" for b, n in cases) + " | largest difference |")
+    print("|---|" + "---|" * (len(cases) + 1))
+    first = {}
+    for tile in tiles:
+        triton_kernels.PREFILL_CONFIG = tile
+        cells, diff = [], 0.0
+        for case, args in steps.items():
+            out = paged_attention(*args).float()
+            diff = max(diff, (out - first.setdefault(case, out)).abs().max().item())
+            ms = do_bench(lambda args=args: paged_attention(*args), return_mode="median")
+            flops = 4 * case[0] * NUM_HEADS * HEAD_DIM * case[1] * (case[1] + 1) // 2
+            cells.append(f"{ms * 1e3:.1f} ({flops / ms / 1e9:.0f})")
+        print(f"| {tile} | " + " | ".join(cells) + f" | {diff:.4f} |", flush=True)
+
+
 def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--prefill-tiles", help="colon-separated tiles, each BLOCK_M,BLOCK_N,num_warps,num_stages")
+    args = p.parse_args()
     torch.manual_seed(0)
+    if args.prefill_tiles:
+        sweep_prefill_tiles([tuple(int(v) for v in tile.split(",")) for tile in args.prefill_tiles.split(":")])
+        return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"device copy bandwidth: {copy_bandwidth():.0f} GB/s")
     print(f"Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} d={HEAD_DIM} block={BLOCK_SIZE} {DTYPE}; eager: do_bench, L2 flushed;")

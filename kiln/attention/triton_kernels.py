@@ -51,7 +51,7 @@ DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
 DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
 # Prefill tile: (query tokens per program, context tokens per step, num_warps, num_stages). 64 query tokens: on the
 # H200 a 2,048-token bf16 prompt took 174.5 µs a layer against 227.2 with 128, 8 x 512 tokens 123.6 against 170.1,
-# 4 x 128 the same (the flat grid gives each row a program per 64 tokens; BENCHMARKS.md, FP8 prefill).
+# 4 x 128 the same (the flat grid gives each row a program per 64 tokens; BENCHMARKS.md, the prefill kernel's tile).
 PREFILL_CONFIG = (64, 32, 4, 2)
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
 # would JIT a new variant for each divisibility class it falls in (a 0.7 s stall in a serving step on an H200).
