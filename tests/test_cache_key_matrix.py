@@ -173,7 +173,9 @@ def test_every_field_the_forward_reads_has_a_new_key_row():
 def test_new_key(compile_stub, tiny_key, row):
     model, config, factor = NEW_KEY[row]
     result = key_of(compile_stub, model, config)
-    assert result.key.digest != tiny_key and not result.cache_hit
+    # A new key, whether or not another test compiled the same config into the session's store before this one (run
+    # after tests/test_exec_service.py, "no compile sizes" was a hit).
+    assert result.key.digest != tiny_key
     changed = {name for name, _, _ in cache_key.differences(factors_of(result), factors_of(key_of(compile_stub)))}
     assert any(name == factor or name.startswith(factor + ".") for name in changed), changed
 
