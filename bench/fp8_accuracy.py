@@ -1,6 +1,6 @@
 """FP8 against bfloat16 for the same weights: per-position top-1 agreement and the mean KL divergence of the
-next-token distributions, for FP8 linears (dynamic W8A8), an FP8 KV cache (at Kiln's default scale 1.0, and at
-per-head scales calibrated on training text), and both.
+next-token distributions, for FP8 linears (dynamic W8A8), FP8 linears and head (``quantize_head``), an FP8 KV
+cache (at Kiln's default scale 1.0, and at per-head scales calibrated on training text), and both.
 
 The model must give peaked distributions for the figures to mean anything (a random model's are near uniform, so any
 noise flips its top-1), so the bench first trains a small Llama for a few hundred steps on text Python itself ships
@@ -123,11 +123,13 @@ def main() -> None:
         resolved = resolve(spec, "cpu")
         bf16 = build_model(resolved, "cpu", weights=str(path))
         fp8 = build_model(resolved, "cpu", weights=str(path), quantization="fp8")
+        fp8_head = build_model(resolved, "cpu", weights=str(path), quantization="fp8", quantize_head=True)
         held_out = corpus(HELD_OUT_MODULES)
         sequences = [held_out[i:i + args.seq_len + 1] for i in range(0, args.positions, args.seq_len)]
         scales = calibrated_scales(bf16, corpus(TRAIN_MODULES)[:args.seq_len])
         fp8_kv = torch.float8_e4m3fn
         variants = {"bf16": (bf16, torch.bfloat16, None), "fp8_linears": (fp8, torch.bfloat16, None),
+                    "fp8_linears_and_head": (fp8_head, torch.bfloat16, None),
                     "fp8_kv": (bf16, fp8_kv, None), "fp8_kv_calibrated": (bf16, fp8_kv, scales),
                     "fp8_linears_and_kv": (fp8, fp8_kv, None), "fp8_linears_and_kv_calibrated": (fp8, fp8_kv, scales)}
         logits = {name: torch.cat([next_token_logits(m, s, kv, sc)[:-1] for s in sequences]).float()

@@ -90,6 +90,8 @@ def register(subparsers) -> None:
                    help="fp8_e4m3: keys and values in FP8, twice the blocks (default: the model's dtype)")
     p.add_argument("--kv-cache-scale", type=float, default=0.0,
                    help="the FP8 cache's scale, every layer and head (default: 1.0)")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="with --quantization fp8: the head (lm_head) in FP8 too (default: the model's dtype)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt token; by default full KV blocks are reused by later prompts with the "
                         "same prefix (docs/prefix-caching.md)")
@@ -234,7 +236,7 @@ def load_request(args) -> exec_pb2.LoadModelRequest:
         stream_interval=args.stream_interval,
         runtime_mode=runtime_mode_to_proto(args.runtime_mode), piecewise_capture_sizes=args.piecewise_capture_sizes,
         kv_cache_dtype=args.kv_cache_dtype, kv_cache_scale=args.kv_cache_scale,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, quantize_head=args.quantize_head)
     if args.no_prefix_caching:
         request.enable_prefix_caching = False
     if args.key:

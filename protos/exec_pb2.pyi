@@ -40,7 +40,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("name", "model", "config", "key", "weights", "weights_seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_bytes", "block_size", "capture_sizes", "runtime_mode", "max_num_waiting", "stream_interval", "kv_cache_dtype", "kv_cache_scale", "enable_prefix_caching", "piecewise_capture_sizes", "tensor_parallel_size")
+    __slots__ = ("name", "model", "config", "key", "weights", "weights_seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "kv_cache_bytes", "block_size", "capture_sizes", "runtime_mode", "max_num_waiting", "stream_interval", "kv_cache_dtype", "kv_cache_scale", "enable_prefix_caching", "piecewise_capture_sizes", "tensor_parallel_size", "quantize_head")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class LoadModelRequest(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     PIECEWISE_CAPTURE_SIZES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_HEAD_FIELD_NUMBER: _ClassVar[int]
     name: str
     model: _common_pb2.ModelSpec
     config: _common_pb2.CompileConfig
@@ -83,7 +84,8 @@ class LoadModelRequest(_message.Message):
     enable_prefix_caching: bool
     piecewise_capture_sizes: _containers.RepeatedScalarFieldContainer[int]
     tensor_parallel_size: int
-    def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., weights: _Optional[str] = ..., weights_seed: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[_Union[RuntimeMode, str]] = ..., max_num_waiting: _Optional[int] = ..., stream_interval: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_scale: _Optional[float] = ..., enable_prefix_caching: _Optional[bool] = ..., piecewise_capture_sizes: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    quantize_head: bool
+    def __init__(self, name: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelSpec, _Mapping]] = ..., config: _Optional[_Union[_common_pb2.CompileConfig, _Mapping]] = ..., key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., weights: _Optional[str] = ..., weights_seed: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[_Union[RuntimeMode, str]] = ..., max_num_waiting: _Optional[int] = ..., stream_interval: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_scale: _Optional[float] = ..., enable_prefix_caching: _Optional[bool] = ..., piecewise_capture_sizes: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., quantize_head: _Optional[bool] = ...) -> None: ...
 
 class StartupPhase(_message.Message):
     __slots__ = ("phase", "seconds", "detail", "progress", "step")
@@ -100,7 +102,7 @@ class StartupPhase(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[str] = ..., progress: _Optional[bool] = ..., step: _Optional[str] = ...) -> None: ...
 
 class ModelSizing(_message.Message):
-    __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size", "kv_window", "dtype", "kv_cache_dtype", "quantization", "prefix_caching", "stream_interval", "piecewise_capture_sizes", "piecewise_graph_bytes", "tensor_parallel_size")
+    __slots__ = ("key", "num_kv_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "kv_cache_bytes", "weights_bytes", "activation_peak_bytes", "cudagraph_bytes", "total_memory_bytes", "capture_sizes", "runtime_mode", "device", "timings", "vocab_size", "kv_window", "dtype", "kv_cache_dtype", "quantization", "prefix_caching", "stream_interval", "piecewise_capture_sizes", "piecewise_graph_bytes", "tensor_parallel_size", "quantize_head")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,7 @@ class ModelSizing(_message.Message):
     PIECEWISE_CAPTURE_SIZES_FIELD_NUMBER: _ClassVar[int]
     PIECEWISE_GRAPH_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_HEAD_FIELD_NUMBER: _ClassVar[int]
     key: _common_pb2.ArtifactKey
     num_kv_blocks: int
     block_size: int
@@ -151,7 +154,8 @@ class ModelSizing(_message.Message):
     piecewise_capture_sizes: _containers.RepeatedScalarFieldContainer[int]
     piecewise_graph_bytes: int
     tensor_parallel_size: int
-    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., cudagraph_bytes: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[str] = ..., device: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., kv_window: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., piecewise_capture_sizes: _Optional[_Iterable[int]] = ..., piecewise_graph_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    quantize_head: bool
+    def __init__(self, key: _Optional[_Union[_common_pb2.ArtifactKey, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., activation_peak_bytes: _Optional[int] = ..., cudagraph_bytes: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., capture_sizes: _Optional[_Iterable[int]] = ..., runtime_mode: _Optional[str] = ..., device: _Optional[str] = ..., timings: _Optional[_Iterable[_Union[_common_pb2.PhaseTiming, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., kv_window: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., stream_interval: _Optional[int] = ..., piecewise_capture_sizes: _Optional[_Iterable[int]] = ..., piecewise_graph_bytes: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., quantize_head: _Optional[bool] = ...) -> None: ...
 
 class LoadModelEvent(_message.Message):
     __slots__ = ("phase", "ready")

@@ -31,10 +31,14 @@ class DequantizedLinear(torch.nn.Module):
 
 @torch.no_grad()  # the slices of merged weights and biases stay leaves: the judge deep-copies the reference
 def dequantized_reference(token_model) -> torch.nn.Module:
-    """transformers' model with Kiln's weights, each FP8 linear replaced by its dequantized plain-torch form."""
+    """transformers' model with Kiln's weights, each FP8 linear (the head's too, when it is one) replaced by its
+    dequantized plain-torch form."""
     from kiln.quantization.fp8_linear import Fp8Linear
 
     causal_lm = copy.deepcopy(token_model.causal_lm)
+    head = causal_lm.get_output_embeddings()
+    if isinstance(head, Fp8Linear):
+        causal_lm.set_output_embeddings(DequantizedLinear(head.dequantized(), head.bias, None))
     for layer in causal_lm.base_model.layers:
         layer.__dict__.pop("forward", None)  # Kiln's router: the reference runs transformers' own forward
         for parent in list(layer.modules()):

@@ -123,6 +123,32 @@ def test_dynamic_fp8_serves_compiled_as_the_dequantized_reference(fp8_stub):
     _judge(fp8_stub, "fp8-dynamic", dequantized_reference(module))
 
 
+def test_a_quantized_head_serves_as_the_dequantized_reference_and_holds_fewer_bytes(fp8_stub):
+    """``quantize_head``: the head is an FP8 linear too (its weight a byte a value and a scale a row), the embedding
+    as it was; served greedy tokens are the reference's with the head dequantized."""
+    model = common_pb2.ModelSpec(preset="tiny-llama")
+    sizing = _load(fp8_stub, "fp8-head", model, weights_seed=4, quantize_head=True)
+    assert sizing.quantize_head and sizing.quantization == "fp8"
+    module = build_model(resolve(model, "cpu"), "cpu", seed=4, quantization="fp8", quantize_head=True)
+    linears_only = build_model(resolve(model, "cpu"), "cpu", seed=4, quantization="fp8")
+    head = linears_only.causal_lm.get_output_embeddings().weight
+    assert sizing.weights_bytes == weights_bytes(module)
+    assert weights_bytes(linears_only) - weights_bytes(module) == head.numel() * (head.element_size() - 1) \
+        - 4 * head.shape[0]
+    assert module.causal_lm.get_input_embeddings().weight.dtype == head.dtype
+    _judge(fp8_stub, "fp8-head", dequantized_reference(module))
+
+
+def test_a_quantized_head_needs_fp8(exec_stub):
+    """Asked of a model in its own dtype: INVALID_ARGUMENT naming the field, before anything is served."""
+    request = exec_pb2.LoadModelRequest(name="head-bf16", model=common_pb2.ModelSpec(preset="tiny-llama"),
+                                        config=common_pb2.CompileConfig(device="cpu", max_compiled_tokens=64),
+                                        kv_cache_bytes=4 << 20, quantize_head=True)
+    with pytest.raises(grpc.RpcError) as err:
+        list(exec_stub.LoadModel(request))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "quantize_head" in err.value.details()
+
+
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8", "fp8-block"])
 def test_fp8_checkpoints_serve_as_stored(fp8_stub, tmp_path, scheme):
     """compressed-tensors per-channel dynamic and per-tensor static; transformers' fp8 with 32x32 blocks."""

@@ -126,6 +126,7 @@ def engine_config(request: exec_pb2.LoadModelRequest, resolved: ResolvedModel,
                         stream_interval=request.stream_interval or 1,
                         kv_cache_dtype=kv_cache_dtype, kv_cache_scale=kv_cache_scale,
                         quantization=compile_config.quantization,
+                        quantize_head=request.quantize_head,
                         enable_prefix_caching=not request.HasField("enable_prefix_caching")
                         or request.enable_prefix_caching, piecewise_capture_sizes=piecewise,
                         tensor_parallel_size=tensor_parallel_size)

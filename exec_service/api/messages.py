@@ -22,7 +22,7 @@ def model_sizing_message(s: ModelSizing) -> exec_pb2.ModelSizing:
         kv_cache_bytes=s.kv_cache_bytes, weights_bytes=s.weights_bytes, activation_peak_bytes=s.activation_peak_bytes,
         cudagraph_bytes=s.cudagraph_bytes, total_memory_bytes=s.total_memory_bytes, capture_sizes=s.capture_sizes,
         runtime_mode=s.runtime_mode.value, device=s.device, vocab_size=s.vocab_size, kv_window=s.kv_window,
-        dtype=s.dtype, kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization,
+        dtype=s.dtype, kv_cache_dtype=s.kv_cache_dtype, quantization=s.quantization, quantize_head=s.quantize_head,
         prefix_caching=s.prefix_caching, piecewise_capture_sizes=s.piecewise_capture_sizes,
         piecewise_graph_bytes=s.piecewise_graph_bytes, tensor_parallel_size=s.tensor_parallel_size,
         stream_interval=s.stream_interval,

@@ -24,6 +24,7 @@ class EngineConfig:
     capture_sizes: tuple[int, ...]  # full graphs: decode batch sizes
     max_num_waiting: int
     quantization: str = ""  # the compile config's: "fp8" makes the decoder's linears FP8 at load
+    quantize_head: bool = False  # LoadModelRequest.quantize_head: with fp8, the head too
     kv_cache_dtype: str = ""  # "fp8_e4m3", or empty: the model's dtype (exec_service.engine.kv.kv_cache)
     kv_cache_scale: float = 1.0  # an FP8 cache's scale, every layer and head
     enable_prefix_caching: bool = True  # full KV blocks known by content and reused by later prompts

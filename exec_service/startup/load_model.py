@@ -107,6 +107,7 @@ class ModelSizing:
     piecewise_graph_bytes: int = 0  # of cudagraph_bytes, what the mixed graphs hold
     kv_cache_dtype: str = ""  # what the KV cache stores (the model's dtype, or float8_e4m3fn)
     quantization: str = ""  # "fp8" when the decoder's linears are FP8
+    quantize_head: bool = False  # whether the head is FP8 too
     tensor_parallel_size: int = 1  # ranks, one process each (the byte counts above are rank 0's)
     stream_interval: int = 1  # tokens a stream sends at a time after its first
 
@@ -299,6 +300,7 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
         runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
         vocab_size=target.resolved.config.vocab_size, kv_window=kv.kv_window, dtype=target.resolved.dtype_name,
         kv_cache_dtype=str(kv_spec.dtype).removeprefix("torch."), quantization=loaded.quantization,
+        quantize_head=loaded.quantize_head,
         prefix_caching=config.enable_prefix_caching, piecewise_capture_sizes=config.piecewise_capture_sizes,
         piecewise_graph_bytes=mixed_graph_bytes,
         tensor_parallel_size=config.tensor_parallel_size, stream_interval=config.stream_interval)

@@ -26,6 +26,7 @@ from kiln.quantization import fp8_checkpoint
 from kiln.quantization.checkpoint_formats import Fp8Checkpoint
 from kiln.quantization.fp8_linear import Fp8Linear
 from kiln.quantization.model_quantization import Fp8Quantization, quantization_of
+from kiln.quantization.quantize_layers import quantize_head as quantize_model_head
 from kiln.quantization.quantize_layers import quantize_layer
 
 LayerHook = Callable[[torch.nn.Module, str], object]  # (decoder layer, its name in the model): makes it FP8
@@ -89,12 +90,13 @@ class TokenModel(torch.nn.Module):
 
 
 def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed: int = 0,
-                quantization: str = "", tensor_parallel: TensorParallel | None = None) -> TokenModel:
+                quantization: str = "", tensor_parallel: TensorParallel | None = None,
+                quantize_head: bool = False) -> TokenModel:
     """The model with dummy weights (seeded) or the safetensors of a local HF directory, in eval mode; its decoder
     linears in FP8 when ``quantization`` is "fp8" or the model's config is an FP8 checkpoint's
-    (kiln.quantization.model_quantization). With ``tensor_parallel`` over more than one rank, its decoder layers are
-    that rank's shards (kiln.model.tensor_parallel): cut from dummy weights the same seed gives every rank, or read
-    from the checkpoint slice by slice."""
+    (kiln.quantization.model_quantization), and with ``quantize_head`` its head too. With ``tensor_parallel`` over
+    more than one rank, its decoder layers are that rank's shards (kiln.model.tensor_parallel): cut from dummy
+    weights the same seed gives every rank, or read from the checkpoint slice by slice."""
     fp8 = quantization_of(model.config, quantization)
     sharded = tensor_parallel is not None and tensor_parallel.size > 1
     if sharded and fp8 is not None:
@@ -116,6 +118,11 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
             if sharded:
                 return _load_sharded(directory, skeleton, device, seed, tensor_parallel)
             causal_lm = _load_pretrained(directory, model, device, _fp8_layer(fp8))
+    if quantize_head:
+        if fp8 is None:
+            raise InvalidArgument("quantize_head: the head is quantized only in an FP8 model "
+                                  "(config.quantization 'fp8', or an FP8 checkpoint)")
+        quantize_model_head(causal_lm)
     causal_lm.config._attn_implementation = ATTENTION_IMPLEMENTATION
     return TokenModel(causal_lm.eval(), tensor_parallel).eval()
 

@@ -1,9 +1,9 @@
 """Dynamic FP8: a decoder layer's bfloat16 linears made FP8 once, at load, each weight row with its own scale.
 
 Every linear of the layer is quantized (attention's q/k/v and o, the MLP's gate/up and down, whatever a family names
-them); the embedding and the head stay in the model's dtype. A merged group (kiln.model.merged_projections) is
-quantized projection by projection and merged after (a row's scale is its own, so it is the same as quantizing the
-merged matrix).
+them); the embedding and the head stay in the model's dtype, the head unless asked (``quantize_head``). A merged
+group (kiln.model.merged_projections) is quantized projection by projection and merged after (a row's scale is its
+own, so it is the same as quantizing the merged matrix).
 Layers are quantized one at a time, so a model whose bfloat16 weights would not fit the device loads (a 70B on one
 H200): kiln.model.causal_lm materialises, initialises and quantizes each layer in turn.
 """
@@ -72,3 +72,15 @@ def merge_fp8_groups(layer: torch.nn.Module) -> int:
             start += part.out_features
         merged += 1
     return merged
+
+
+def quantize_head(causal_lm: torch.nn.Module) -> None:
+    """Make the model's head (its output embeddings) an Fp8Linear: float8 rows with their scales, its input quantized
+    per token. A head tied to the embedding gets an FP8 copy of its own; the embedding stays as it is."""
+    head = causal_lm.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise InvalidArgument(f"quantize_head: this model's head is a {type(head).__name__}, not a linear "
+                              f"layer Kiln quantizes")
+    _check_aligned(head.weight, "lm_head")
+    weight, scale = quantize_rows(head.weight.detach())
+    causal_lm.set_output_embeddings(Fp8Linear(frozen(weight), frozen(scale), head.bias, None))
