@@ -42,10 +42,10 @@ def _input_scale(weight: torch.Tensor, static: bool) -> torch.nn.Parameter | Non
     return frozen(torch.ones(1, device=weight.device)) if static else None
 
 
-def _check_aligned(weight: torch.Tensor, name: str) -> None:
+def _check_aligned(weight: torch.Tensor, name: str, field: str = "config.quantization") -> None:
     out_features, in_features = weight.shape
     if out_features % FP8_ALIGNMENT or in_features % FP8_ALIGNMENT:
-        raise InvalidArgument(f"config.quantization: fp8 needs every linear's sizes to be multiples of "
+        raise InvalidArgument(f"{field}: fp8 needs every linear's sizes to be multiples of "
                               f"{FP8_ALIGNMENT}; {name} is {out_features}x{in_features}")
 
 
@@ -81,6 +81,6 @@ def quantize_head(causal_lm: torch.nn.Module) -> None:
     if type(head) is not torch.nn.Linear:
         raise InvalidArgument(f"quantize_head: this model's head is a {type(head).__name__}, not a linear "
                               f"layer Kiln quantizes")
-    _check_aligned(head.weight, "lm_head")
+    _check_aligned(head.weight, "lm_head", "quantize_head")
     weight, scale = quantize_rows(head.weight.detach())
     causal_lm.set_output_embeddings(Fp8Linear(frozen(weight), frozen(scale), head.bias, None))
