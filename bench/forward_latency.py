@@ -5,7 +5,8 @@ Every step decodes one new token per sequence over a context of --context tokens
 includes the logits. The floor is (weight bytes + KV bytes read) / the copy bandwidth measured in this run.
 
 usage: python bench/forward_latency.py --bundle STORE/KEY [--preset llama-3-8b] [--batch-sizes 1,2,4,8,16,32,64]
-       [--quantization fp8]   (a bundle compiled with --quantization fp8: bench/compile_times.py, kiln compile)
+       [--quantization fp8 [--quantize-head]]   (a bundle compiled with --quantization fp8: bench/compile_times.py,
+       kiln compile)
        [--prefill-tokens 2048]
 """
 
@@ -90,7 +91,7 @@ def load_for_decode(args: argparse.Namespace, sizes: list[int]):
     compile): (resolved, model, cache spec, caches, compiled, blocks per sequence)."""
     torch.set_grad_enabled(False)
     resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
-    model = build_model(resolved, "cuda", quantization=args.quantization)
+    model = build_model(resolved, "cuda", quantization=args.quantization, quantize_head=args.quantize_head)
     spec = kv_cache.KVCacheSpec.from_config(resolved.config, BLOCK_SIZE, resolved.dtype)
     max_blocks = -(-(args.context + 1) // BLOCK_SIZE)
     caches = kv_cache.allocate(spec, max(sizes) * max_blocks, "cuda")
@@ -143,6 +144,7 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
                    help="also time one compiled prefill step of this many new tokens (at most the compiled range)")
     p.add_argument("--quantization", default="", choices=["", "fp8"],
                    help="fp8: the decoder's linears in FP8 (the bundle must be compiled with the same)")
+    p.add_argument("--quantize-head", action="store_true", help="with --quantization fp8: the head in FP8 too")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     return args, [int(s) for s in args.batch_sizes.split(",")]
