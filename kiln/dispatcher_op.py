@@ -5,9 +5,8 @@ dispatcher directly instead of through ``torch.library.custom_op``.
 input. On the CPU host under ``no_grad`` ``kiln::fp8_mm`` on tiny tensors took 64 µs a call, 43 registered here, 33
 called directly, and ``kiln::attention`` 40–45 µs over its body against 11–17 here (bench/op_dispatch_cost.py,
 BENCHMARKS.md); a step launched from Python (a prefill or mixed step past the CUDA graphs' sizes, the eager runtime
-mode) makes five such calls a layer. Kiln's ops never need
-autograd (every forward runs under ``no_grad``) and return new tensors, so the schema, a kernel for every backend
-and a fake for tracing are all they register.
+mode) makes five such calls a layer. Kiln's ops never need autograd (every forward runs under ``no_grad``) and return
+new tensors, so the schema, a kernel for every backend and a fake for tracing are all they register.
 """
 
 from collections.abc import Callable
