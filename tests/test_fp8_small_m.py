@@ -43,21 +43,18 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the op picks the kernel on CUDA only")
-def test_fp8_mm_takes_the_kernel_up_to_small_m_rows_and_scaled_mm_past_them():
+def test_fp8_mm_takes_the_kernel_up_to_small_m_rows_and_scaled_mm_past_them(monkeypatch):
     from kiln.quantization import fp8_small_m
 
     n, k = SHAPES[0]
     q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
     calls = []
     kernel = fp8_small_m.small_m_mm
-    fp8_small_m.small_m_mm = lambda *args: calls.append(args[0].shape[0]) or kernel(*args)
-    try:
-        for m in (1, SMALL_M, SMALL_M + 1):
-            xq, x_scale = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-            # The dequantized product: past SMALL_M, cuBLASLt's fast accumulation is within bf16 rounding of it.
-            want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
-            torch.testing.assert_close(fp8_mm(xq, x_scale, q, scale, torch.bfloat16).float(), want,
-                                       atol=1e-2, rtol=1e-2)
-    finally:
-        fp8_small_m.small_m_mm = kernel
+    monkeypatch.setattr(fp8_small_m, "small_m_mm", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    for m in (1, SMALL_M, SMALL_M + 1):
+        xq, x_scale = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        # The dequantized product: past SMALL_M, cuBLASLt's fast accumulation is within bf16 rounding of it.
+        want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
+        torch.testing.assert_close(fp8_mm(xq, x_scale, q, scale, torch.bfloat16).float(), want,
+                                   atol=1e-2, rtol=1e-2)
     assert calls == [1, SMALL_M]
