@@ -18,7 +18,7 @@ from kiln.model.hub import is_hub_id
 from kiln.model.roots import ModelRoots
 from kiln.model.spec import ResolvedModel, resolve
 from kiln.model.tensor_parallel import check_shardable
-from kiln.quantization.model_quantization import fp8_unsupported
+from kiln.quantization.model_quantization import check_head, fp8_unsupported, quantization_of
 from kiln.runtime_mode import RuntimeMode
 from protos import exec_pb2
 
@@ -39,6 +39,7 @@ def load_target(request: exec_pb2.LoadModelRequest, roots: ModelRoots) -> LoadTa
     compile_config = tensor_parallel_config(request, CompileConfig.from_proto(request.config))
     resolved = resolve(request.model, compile_config.device, roots)
     check_shardable(resolved.config, compile_config.tensor_parallel_size)
+    check_head(quantization_of(resolved.config, compile_config.quantization), request.quantize_head)
     weights, pinned = request.weights or "dummy", None
     if weights != "dummy":
         # org/name[@revision]: its snapshot in the server's Hugging Face cache

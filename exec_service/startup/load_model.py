@@ -300,7 +300,7 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
         runtime_mode=config.runtime_mode, device=config.device, timings=tuple(phases.timings),
         vocab_size=target.resolved.config.vocab_size, kv_window=kv.kv_window, dtype=target.resolved.dtype_name,
         kv_cache_dtype=str(kv_spec.dtype).removeprefix("torch."), quantization=loaded.quantization,
-        quantize_head=loaded.quantize_head,
+        quantize_head=config.quantize_head,
         prefix_caching=config.enable_prefix_caching, piecewise_capture_sizes=config.piecewise_capture_sizes,
         piecewise_graph_bytes=mixed_graph_bytes,
         tensor_parallel_size=config.tensor_parallel_size, stream_interval=config.stream_interval)

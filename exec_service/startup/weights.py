@@ -15,7 +15,6 @@ class LoadedWeights:
     weights_bytes: int
     kv_window: int  # kiln.attention.windows.kv_window of the model; 0 when no sequence outgrows it by a block
     quantization: str  # "fp8" when the decoder's linears are FP8 (asked for, or the checkpoint's), else ""
-    quantize_head: bool  # whether the head is FP8 too
 
 
 def load_weights(resolved: ResolvedModel, config: EngineConfig, weights: str, seed: int,
@@ -26,5 +25,4 @@ def load_weights(resolved: ResolvedModel, config: EngineConfig, weights: str, se
     window = kv_window(layer_windows(token_model, config.device))
     # A window that no sequence outgrows by a whole block never lets one go: then there is no null block either.
     window = window if window + config.block_size <= config.max_model_len else 0
-    return LoadedWeights(token_model, weights_bytes(token_model), window, "fp8" if token_model.is_fp8 else "",
-                         config.quantize_head)
+    return LoadedWeights(token_model, weights_bytes(token_model), window, "fp8" if token_model.is_fp8 else "")

@@ -25,7 +25,7 @@ from kiln.model.tensor_parallel import TensorParallel, load_shard, shard_layers
 from kiln.quantization import fp8_checkpoint
 from kiln.quantization.checkpoint_formats import Fp8Checkpoint
 from kiln.quantization.fp8_linear import Fp8Linear
-from kiln.quantization.model_quantization import Fp8Quantization, quantization_of
+from kiln.quantization.model_quantization import Fp8Quantization, check_head, quantization_of
 from kiln.quantization.quantize_layers import quantize_head as quantize_model_head
 from kiln.quantization.quantize_layers import quantize_layer
 
@@ -98,6 +98,7 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
     more than one rank, its decoder layers are that rank's shards (kiln.model.tensor_parallel): cut from dummy
     weights the same seed gives every rank, or read from the checkpoint slice by slice."""
     fp8 = quantization_of(model.config, quantization)
+    check_head(fp8, quantize_head)
     sharded = tensor_parallel is not None and tensor_parallel.size > 1
     if sharded and fp8 is not None:
         raise InvalidArgument("tensor_parallel_size: over one rank, models are served in their own dtype only so "
@@ -119,9 +120,6 @@ def build_model(model: ResolvedModel, device: str, weights: str = "dummy", seed:
                 return _load_sharded(directory, skeleton, device, seed, tensor_parallel)
             causal_lm = _load_pretrained(directory, model, device, _fp8_layer(fp8))
     if quantize_head:
-        if fp8 is None:
-            raise InvalidArgument("quantize_head: the head is quantized only in an FP8 model "
-                                  "(config.quantization 'fp8', or an FP8 checkpoint)")
         quantize_model_head(causal_lm)
     causal_lm.config._attn_implementation = ATTENTION_IMPLEMENTATION
     return TokenModel(causal_lm.eval(), tensor_parallel).eval()

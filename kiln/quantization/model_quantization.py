@@ -60,6 +60,13 @@ def _cpu_fp8_unsupported() -> str | None:
     return None
 
 
+def check_head(quantization: Fp8Quantization | None, quantize_head: bool) -> None:
+    """INVALID_ARGUMENT naming ``quantize_head`` when the head is asked for in FP8 of a model that is not FP8."""
+    if quantize_head and quantization is None:
+        raise InvalidArgument("quantize_head: the head is quantized only in an FP8 model "
+                              "(config.quantization 'fp8', or an FP8 checkpoint)")
+
+
 def check_supported(quantization: Fp8Quantization | None, device: str, field: str) -> None:
     """INVALID_ARGUMENT naming ``field`` when the model is FP8 and the device cannot run it."""
     if quantization is not None:
