@@ -63,12 +63,15 @@ def _fp8_kv_attention(module, query, key, value, *args, **kwargs):
     return sys.modules[type(module).__module__].eager_attention_forward(module, query, key, value, *args, **kwargs)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])  # gemma2: head_dim 256, soft caps
-def test_family_fp8_with_fp8_kv_in_cuda_graphs(gpu_stub, tmp_path, model_type):
+@pytest.mark.parametrize("model_type, quantize_head", [("llama", False), ("qwen3", False), ("gemma2", False),
+                                                       ("llama", True)],  # gemma2: head_dim 256, soft caps
+                         ids=["llama", "qwen3", "gemma2", "llama-fp8-head"])
+def test_family_fp8_with_fp8_kv_in_cuda_graphs(gpu_stub, tmp_path, model_type, quantize_head):
     """Each greedy token is the best of the plain-torch FP8 model (dequantized weights, activations and KV rounded
     to float8) within rounding (tests/greedy_judge.py); the top-1 agreement with the bfloat16 model is reported and
     held to what was measured on these random tiny models (near-uniform logits: 0.51-0.83 on the H200, 2026-12-01;
-    0.97 on a trained model, BENCHMARKS.md)."""
+    0.97 on a trained model, BENCHMARKS.md). With ``quantize_head`` the head is FP8 too, in the model and the
+    reference alike."""
     from greedy_judge import assert_each_token_near_the_best
     from test_gpu_families import COMPARED
     from transformers import AttentionInterface, AutoModelForCausalLM
@@ -84,14 +87,15 @@ def test_family_fp8_with_fp8_kv_in_cuda_graphs(gpu_stub, tmp_path, model_type):
         name=name, model=spec, weights=str(tmp_path),
         config=common_pb2.CompileConfig(device="cuda", max_compiled_tokens=256, quantization="fp8"),
         max_model_len=512, max_num_seqs=8, runtime_mode=exec_pb2.RUNTIME_MODE_CUDAGRAPH, kv_cache_bytes=64 << 20,
-        capture_sizes=[1, 2, 4, 8], kv_cache_dtype="fp8_e4m3")
+        capture_sizes=[1, 2, 4, 8], kv_cache_dtype="fp8_e4m3", quantize_head=quantize_head)
     ready = list(gpu_stub.LoadModel(request))[-1].ready
     assert ready.quantization == "fp8" and ready.kv_cache_dtype == "float8_e4m3fn"
+    assert ready.quantize_head == quantize_head
     try:
         AttentionInterface.register("fp8_kv_reference", _fp8_kv_attention)
         AttentionMaskInterface.register("fp8_kv_reference", ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # causal
         reference = dequantized_reference(build_model(resolve(spec, "cuda"), "cuda", weights=str(tmp_path),
-                                                      quantization="fp8"))
+                                                      quantization="fp8", quantize_head=quantize_head))
         reference.config._attn_implementation = "fp8_kv_reference"
         bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="eager")
         bf16 = bf16.to("cuda").eval()
