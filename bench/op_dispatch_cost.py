@@ -39,8 +39,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_grad_enabled(False)  # as every forward of the engine runs
     weight, weight_scale = quantize_rows(torch.randn(16, 128, device=args.device))
-    # More rows than fp8_mm's small-M kernel takes, so on CUDA too its body is the _scaled_mm it is timed against.
-    x, x_scale = quantize_tokens(torch.randn(fp8_mm_op.SMALL_M + 16, 128, device=args.device))
+    # More rows than Kiln's decode-sized kernel takes (fp8_small_m.MAX_M, 128), so on CUDA too the op's body is
+    # the _scaled_mm it is timed against.
+    x, x_scale = quantize_tokens(torch.randn(160, 128, device=args.device))
     out_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     q = torch.randn(8, 4, 16, device=args.device)
     kv = torch.randn(8, 2, 16, device=args.device)

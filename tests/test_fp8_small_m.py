@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.quantization.fp8_linear import quantize_rows, quantize_tokens
-from kiln.quantization.fp8_mm import SMALL_M, fp8_mm
+from kiln.quantization.fp8_mm import fp8_mm
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,15 +18,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 # (N, K): Llama-3-8B's q/k/v and down on the GPU; small ones the interpreter runs in seconds, one N not a multiple
 # of the kernel's 64 rows, one K a multiple of 128 but not 256
 SHAPES = ((6144, 4096), (4096, 14336)) if torch.cuda.is_available() else ((96, 512), (40, 384), (128, 1024))
+SPLIT_M, MAX_M = 32, 128  # kiln.quantization.fp8_small_m's (it imports Triton, which the CPU CI has not)
 
 
-@pytest.mark.parametrize("m", [1, 5, 16, SMALL_M])
+# sms: the device's SM count, and as many as make K split 2-8 ways (up to SPLIT_M rows: past them K is not split)
+@pytest.mark.parametrize("m, sms", [(m, sms) for m in (1, 5, 16, SPLIT_M) for sms in (None, 256)]
+                         + [(48, None), (MAX_M, None)])
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("sms", [None, 256])  # the device's SM count, and as many as make K split 2-8 ways
 def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     from kiln.quantization import fp8_small_m
     from kiln.quantization.fp8_small_m import small_m_mm
 
+    assert (fp8_small_m.SPLIT_M, fp8_small_m.MAX_M) == (SPLIT_M, MAX_M)
     if sms is not None:
         monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: sms)
         assert fp8_small_m.split_k(n, k, 128, sms) > 1 or k % 256  # a K of three 128s splits no way
@@ -43,18 +46,21 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the op picks the kernel on CUDA only")
-def test_fp8_mm_takes_the_kernel_up_to_small_m_rows_and_scaled_mm_past_them(monkeypatch):
+def test_fp8_mm_takes_the_kernel_for_decode_sized_steps_and_scaled_mm_past_them(monkeypatch):
+    """Llama-3-8B's q/k/v (6,144 rows: 48 of cuBLASLt's tiles) in Kiln's kernel up to MAX_M rows; its gate_up
+    (28,672 rows: 224 tiles, more than the H200's 132 SMs) only up to SPLIT_M."""
     from kiln.quantization import fp8_small_m
 
-    n, k = SHAPES[0]
-    q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
     calls = []
     kernel = fp8_small_m.small_m_mm
-    monkeypatch.setattr(fp8_small_m, "small_m_mm", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
-    for m in (1, SMALL_M, SMALL_M + 1):
-        xq, x_scale = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-        # The dequantized product: past SMALL_M, cuBLASLt's fast accumulation is within bf16 rounding of it.
-        want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
-        torch.testing.assert_close(fp8_mm(xq, x_scale, q, scale, torch.bfloat16).float(), want,
-                                   atol=1e-2, rtol=1e-2)
-    assert calls == [1, SMALL_M]
+    monkeypatch.setattr(fp8_small_m, "small_m_mm", lambda *args: calls.append((args[2].shape[0], args[0].shape[0]))
+                        or kernel(*args))
+    for n, k, rows in ((6144, 4096, (1, SPLIT_M, SPLIT_M + 1, MAX_M, MAX_M + 1)), (28672, 4096, (SPLIT_M, 64))):
+        q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+        for m in rows:
+            xq, x_scale = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            # The dequantized product: cuBLASLt's fast accumulation is within bf16 rounding of it too.
+            want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
+            torch.testing.assert_close(fp8_mm(xq, x_scale, q, scale, torch.bfloat16).float(), want,
+                                       atol=1e-2, rtol=1e-2)
+    assert calls == [(6144, 1), (6144, SPLIT_M), (6144, SPLIT_M + 1), (6144, MAX_M), (28672, SPLIT_M)]

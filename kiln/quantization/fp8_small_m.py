@@ -1,11 +1,11 @@
-"""Kiln's FP8 GEMM for decode-sized steps (torch.ops.kiln.fp8_mm runs it for up to SMALL_M rows on CUDA).
+"""Kiln's FP8 GEMM for decode-sized steps (torch.ops.kiln.fp8_mm runs it on CUDA where ``takes`` says).
 
-On CUDA 12.9+ PyTorch hands a row-wise ``_scaled_mm`` to cuBLASLt, which runs every GEMM of 1–32 rows with one
+On CUDA 12.9+ PyTorch hands a row-wise ``_scaled_mm`` to cuBLASLt, which runs every GEMM of 1–128 rows with one
 128 x 128 tile: an FP8 decode layer took 2.81x its weight-read floor on the H200, longer than bf16's (BENCHMARKS.md,
 "FP8 decode"). This kernel puts the weight first in the FP8 tensor-core dot ("swap A and B", as vLLM's and
-CUTLASS's small-M configs do: the weight's rows are the dot's 64-row side, the few tokens the other) and splits K so
-that more SMs stream weight bytes where the weight's rows are few (until half the SMs have a program), the partial
-sums added by a second kernel.
+CUTLASS's small-M configs do: the weight's rows are the dot's 64-row side, the few tokens the other) and, up to
+SPLIT_M rows, splits K so that more SMs stream weight bytes where the weight's rows are few (until half the SMs have
+a program), the partial sums added by a second kernel.
 """
 
 import functools
@@ -16,6 +16,9 @@ import triton.language as tl
 
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
 NUM_WARPS, NUM_STAGES = 4, 4
+SPLIT_M = 32  # rows up to which the kernel takes every product, K split as split_k says
+MAX_M = 128  # rows up to which it takes the products whose weight cuBLASLt's tiles spread thin
+CUBLAS_TILE_N = 128  # weight rows a cuBLASLt FP8 tile covers at these sizes (nvjet_sm90_qqtst_128x128)
 MAX_SPLIT_K = 8
 REDUCE_BLOCK = 256  # outputs a reduce program sums: a 1-row step of N 4096 still spreads over 16 programs
 
@@ -68,6 +71,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def takes(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether this kernel runs an [m, k] x [n, k] product: up to SPLIT_M rows always; up to MAX_M rows where
+    cuBLASLt's 128-row tiles of the weight are fewer than the SMs, so that its one tile a program leaves SMs idle
+    (H200 sweep, 48–128 rows, BENCHMARKS.md: Llama-3-8B's q/k/v, o and down 1.2–1.7x faster here, one split; gate_up's
+    224 tiles stream at 3.3 TB/s in cuBLASLt against 2.5–3.0 here)."""
+    if k % 128:
+        return False
+    return m <= SPLIT_M or (m <= MAX_M and triton.cdiv(n, CUBLAS_TILE_N) < _num_sms(device))
+
+
 def split_k(n: int, k: int, block_k: int, sms: int) -> int:
     """The fewest splits of K that give half the SMs a program (at most MAX_SPLIT_K; each split whole BLOCK_Ks).
     Splitting further, to two programs an SM, made the H200's 8B decode step slower (4.14 against 3.46 ms at bs 1,
@@ -82,12 +95,14 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
                config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """FP8 ``q`` [M, K] with token scales [M] times the FP8 ``weight`` [N, K] with row scales [N] -> bf16 [M, N],
     for a few rows M and K a multiple of 128. ``config`` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) is for
-    bench/fp8_gemm.py's sweep; None: this module's choice."""
+    bench/fp8_gemm.py's sweep; None: this module's choice. Past SPLIT_M rows K is not split: the float32 partials
+    (splits x M x N) cost more than the programs gain (every best config of the 48–128-row sweep had one split)."""
     m, k = q.shape
     n = weight.shape[0]
     if config is None:
         block_k = 256 if k % 256 == 0 else 128
-        config = (BLOCK_N, block_k, split_k(n, k, block_k, _num_sms(q.device)), NUM_WARPS, NUM_STAGES)
+        splits = split_k(n, k, block_k, _num_sms(q.device)) if m <= SPLIT_M else 1
+        config = (BLOCK_N, block_k, splits, NUM_WARPS, NUM_STAGES)
     block_n, block_k, splits, num_warps, num_stages = config
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
