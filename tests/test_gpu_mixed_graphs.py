@@ -1,7 +1,7 @@
 """On a CUDA device: mixed CUDA graphs for prefill and mixed steps. A padded step writes the KV of its real
 tokens only, and nothing compiles, builds a Triton kernel or autotunes after a model is ready, whatever the workload
 (prompts of 1 to 2,048 tokens, batches of 1 to 128, greedy and sampled, on a family with local and global layers and
-soft caps). Token-for-token equality with mixed graphs off is in tests/test_gpu_families.py and
+soft caps), with CUDA graphs and, in FP8, with every step launched from Python. Token-for-token equality with mixed graphs off is in tests/test_gpu_families.py and
 tests/test_gpu_generation.py.
 
     python -m pytest -m gpu tests/test_gpu_mixed_graphs.py
@@ -121,8 +121,9 @@ def test_a_padded_step_writes_the_kv_of_its_real_tokens_only(graph_servers):
 
 def _kiln_kernels() -> list:
     from kiln.attention import triton_kernels
+    from kiln.quantization import fp8_small_m
 
-    return [k for k in vars(triton_kernels).values() if hasattr(k, "device_caches")]
+    return [k for module in (triton_kernels, fp8_small_m) for k in vars(module).values() if hasattr(k, "device_caches")]
 
 
 def _triton_builds() -> set[tuple[str, str]]:
@@ -162,12 +163,19 @@ def _random_request(rng: random.Random, name: str) -> exec_pb2.GenerateRequest:
     return request
 
 
-def test_nothing_compiles_builds_or_autotunes_after_ready(graph_servers):
+@pytest.mark.parametrize("quantization, runtime_mode, paths", [
+    ("", exec_pb2.RUNTIME_MODE_CUDAGRAPH, {"full_graph", "mixed_graph", "compiled"}),
+    # every step launched from Python: Kiln's FP8 product at every row count 1-128, its row blocks warmed at load
+    ("fp8", exec_pb2.RUNTIME_MODE_COMPILED, {"compiled"}),
+], ids=["bf16-graphs", "fp8-compiled"])
+def test_nothing_compiles_builds_or_autotunes_after_ready(graph_servers, quantization, runtime_mode, paths):
     stub, _, steps = graph_servers
-    name = "after-ready"
-    events = list(stub.LoadModel(_request(name, GEMMA2, dtype="bfloat16", tokens=2048, max_model_len=2100,
-                                          max_num_seqs=128)))
-    assert events[-1].ready.piecewise_capture_sizes
+    name = f"after-ready-{quantization or 'bf16'}"
+    request = _request(name, GEMMA2, dtype="bfloat16", tokens=2048, max_model_len=2100, max_num_seqs=128)
+    request.runtime_mode = runtime_mode
+    request.config.quantization = quantization
+    events = list(stub.LoadModel(request))
+    assert bool(events[-1].ready.piecewise_capture_sizes) == (runtime_mode == exec_pb2.RUNTIME_MODE_CUDAGRAPH)
     before = (compile_counts(), _triton_builds(), _triton_cache_files(), _autotunings())
     first = len(steps)
     rng = random.Random(28)
@@ -181,7 +189,7 @@ def test_nothing_compiles_builds_or_autotunes_after_ready(graph_servers):
         stub.UnloadModel(exec_pb2.UnloadModelRequest(name=name))
     after = (compile_counts(), _triton_builds(), _triton_cache_files(), _autotunings())
     served = [s for s in steps[first:] if s.model == name]
-    assert {"full_graph", "mixed_graph", "compiled"} <= {s.path for s in served}
+    assert paths <= {s.path for s in served}
     assert {"prefill", "decode", "mixed"} <= {s.phase for s in served}
     assert after[0] == before[0], "Dynamo or Inductor compiled after ready"
     assert after[1] == before[1], f"Triton built Kiln kernels after ready: {sorted(after[1] - before[1])}"

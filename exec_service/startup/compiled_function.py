@@ -25,14 +25,23 @@ def load_compiled(bundle_dir: Path, key: str, trusted: TrustedKeys):
                                      f"{first_line(exc)}") from exc
 
 
+# Steps of up to these many tokens run Triton kernels of their own: Kiln's FP8 product builds one a power-of-two
+# block of rows, up to 128 (kiln.quantization.fp8_small_m; the step's row count is not specialised on).
+ROW_BLOCKS = (16, 32, 64, 128)
+
+
 @torch.no_grad()
 def warm_up_compiled(forward: ModelForward, config: EngineConfig, compile_sizes: tuple[int, ...]) -> None:
     """The first call at a token count does one-off work (kernel loads, launch setup, Inductor's pick among a
     kernel's configs): pay it here for the smallest and the largest step and every compile size, whose code is its
-    own, not in a request's step (BENCHMARKS.md, startup and throughput)."""
+    own, not in a request's step (BENCHMARKS.md, startup and throughput); on a GPU also at the largest step of each
+    of ROW_BLOCKS, which a step launched from Python (no CUDA graph) would otherwise build after ready."""
     tokens = config.max_num_batched_tokens
+    sizes = {min(2, tokens), tokens, *(s for s in compile_sizes if s <= tokens)}
+    if config.device != "cpu":
+        sizes |= {s for s in ROW_BLOCKS if s <= tokens}
     with expect_no_compile("warming up the compiled function"):
-        for size in sorted({min(2, tokens), tokens, *(s for s in compile_sizes if s <= tokens)}):
+        for size in sorted(sizes):
             forward.compiled_forward(torch.zeros(size, dtype=torch.int64, device=config.device),
                                      torch.arange(size, device=config.device))
         forward.compiled.skip_guard_checks()  # every layer's weights passed torch's guards just now
