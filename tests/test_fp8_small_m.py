@@ -45,6 +45,24 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     torch.testing.assert_close(got.float(), want, atol=2e-2 * want.std().item(), rtol=1e-2)
 
 
+@pytest.mark.parametrize("device_name, shared_bytes, sms", [("H200", 232_448, 132), ("L40S", 101_376, 142)])
+def test_the_kernel_takes_decode_sized_products_its_pipeline_fits(device_name, shared_bytes, sms, monkeypatch):
+    """Llama-3-8B's shapes: q/k/v (6,144 rows) up to MAX_M rows, gate_up (28,672) up to SPLIT_M, a K not a multiple
+    of 128 never; on an Ada's 99 KB of shared memory nothing past 32 rows (the 64-row pipeline needs 128 KB)."""
+    from kiln.quantization import fp8_small_m
+
+    monkeypatch.setattr(fp8_small_m, "_max_shared_bytes", lambda device: shared_bytes)
+    monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: sms)
+    cuda = torch.device("cuda")
+    taken = {(m, n, k) for m in (1, SPLIT_M, SPLIT_M + 1, 64, MAX_M, MAX_M + 1) for n, k in
+             ((6144, 4096), (28672, 4096), (4096, 14336), (6144, 4160)) if fp8_small_m.takes(m, n, k, cuda)}
+    small = {(m, n, k) for m in (1, SPLIT_M) for n, k in ((6144, 4096), (28672, 4096), (4096, 14336))}
+    if device_name == "H200":
+        assert taken == small | {(m, n, k) for m in (SPLIT_M + 1, 64, MAX_M) for n, k in ((6144, 4096), (4096, 14336))}
+    else:
+        assert taken == small
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the op picks the kernel on CUDA only")
 def test_fp8_mm_takes_the_kernel_for_decode_sized_steps_and_scaled_mm_past_them(monkeypatch):
     """Llama-3-8B's q/k/v (6,144 rows: 48 of cuBLASLt's tiles) in Kiln's kernel up to MAX_M rows; its gate_up

@@ -71,12 +71,29 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+@functools.cache
+def _max_shared_bytes(device: torch.device) -> int:
+    """The shared memory a program may use on ``device``, as Triton checks a build against it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def _block_m(m: int) -> int:
+    return max(16, triton.next_power_of_2(m))
+
+
+def _block_k(k: int) -> int:
+    return 256 if k % 256 == 0 else 128
+
+
 def takes(m: int, n: int, k: int, device: torch.device) -> bool:
     """Whether this kernel runs an [m, k] x [n, k] product: up to SPLIT_M rows always; up to MAX_M rows where
     cuBLASLt's 128-row tiles of the weight are fewer than the SMs, so that its one tile a program leaves SMs idle
     (H200 sweep, 48–128 rows, BENCHMARKS.md: Llama-3-8B's q/k/v, o and down 1.2–1.7x faster here, one split; gate_up's
-    224 tiles stream at 3.3 TB/s in cuBLASLt against 2.5–3.0 here)."""
-    if k % 128:
+    224 tiles stream at 3.3 TB/s in cuBLASLt against 2.5–3.0 here). Either way only where the pipeline's NUM_STAGES
+    tiles of weight and tokens (a byte a value) fit the device's shared memory: 192 KB at 128 rows, which a Hopper
+    has (227 KB) and an Ada (99 KB) has not."""
+    if k % 128 or NUM_STAGES * (BLOCK_N + _block_m(m)) * _block_k(k) > _max_shared_bytes(device):
         return False
     return m <= SPLIT_M or (m <= MAX_M and triton.cdiv(n, CUBLAS_TILE_N) < _num_sms(device))
 
@@ -100,7 +117,7 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     m, k = q.shape
     n = weight.shape[0]
     if config is None:
-        block_k = 256 if k % 256 == 0 else 128
+        block_k = _block_k(k)
         splits = split_k(n, k, block_k, _num_sms(q.device)) if m <= SPLIT_M else 1
         config = (BLOCK_N, block_k, splits, NUM_WARPS, NUM_STAGES)
     block_n, block_k, splits, num_warps, num_stages = config
@@ -108,7 +125,7 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
     _swap_ab_kernel[(triton.cdiv(n, block_n), splits)](
         q, scale, weight, weight_scale, out, part, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, weight_scale, out, m, n, out.stride(0), SPLIT_K=splits,
