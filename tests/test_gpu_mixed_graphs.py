@@ -1,8 +1,8 @@
 """On a CUDA device: mixed CUDA graphs for prefill and mixed steps. A padded step writes the KV of its real
 tokens only, and nothing compiles, builds a Triton kernel or autotunes after a model is ready, whatever the workload
 (prompts of 1 to 2,048 tokens, batches of 1 to 128, greedy and sampled, on a family with local and global layers and
-soft caps), with CUDA graphs and, in FP8, with every step launched from Python. Token-for-token equality with mixed graphs off is in tests/test_gpu_families.py and
-tests/test_gpu_generation.py.
+soft caps), with CUDA graphs and, in FP8, with every step launched from Python. Token-for-token equality with mixed
+graphs off is in tests/test_gpu_families.py and tests/test_gpu_generation.py.
 
     python -m pytest -m gpu tests/test_gpu_mixed_graphs.py
 """
