@@ -256,6 +256,21 @@ def test_a_body_that_is_not_json_or_not_an_object_is_refused_saying_where(gatewa
         assert refused.value.code == 400 and (error["message"], error["param"]) == (message, None)
 
 
+def test_an_unknown_path_and_a_wrong_method_are_openai_errors(gateway):
+    """404 and 405 in OpenAI's shape (what its clients parse), saying which request was meant; 405 with Allow."""
+    for method, path, status, code in (("POST", "/v1/embeddings", 404, "not_found"),
+                                       ("GET", "/v1/completions", 405, "method_not_allowed")):
+        request = urllib.request.Request(f"{gateway.url}{path}", method=method,
+                                         data=b"{}" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.load(refused.value)["error"]
+        assert (refused.value.code, error["code"], error["type"]) == (status, code, "invalid_request_error")
+        assert error["message"].startswith(f"{method} {path}: ")
+        if status == 405:
+            assert refused.value.headers["Allow"] == "POST"
+
+
 @pytest.mark.parametrize(("code", "status", "kind"), [
     (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     (grpc.StatusCode.FAILED_PRECONDITION, 400, "invalid_request_error"),

@@ -1,4 +1,4 @@
-"""A cap on request bodies, before anything parses them: uvicorn reads whatever a client sends, and FastAPI holds a
+"""A cap on request bodies, before anything parses them: uvicorn reads whatever a client sends, and the app holds a
 body whole in memory while it validates it. Over the cap is 413 with OpenAI's error object, whether the body
 announced its length or came in chunks; a body that does not arrive within its time is 408; and the bodies held at
 once by every request in flight share one budget, past which a request is 503 (exec_service.openai.http_limits)."""
