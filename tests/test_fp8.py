@@ -188,18 +188,41 @@ def _bf16_weight(tensors):
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.bfloat16)
 
 
+def _nan_scale(tensors):
+    tensors["model.layers.1.mlp.down_proj.weight_scale"][5, 0] = float("nan")
+
+
+def _negative_scale(tensors):
+    tensors["model.layers.0.self_attn.o_proj.weight_scale"][0, 0] *= -1
+
+
 @pytest.mark.parametrize("edit, code, said", [
     (_missing_scale, grpc.StatusCode.FAILED_PRECONDITION, "1 missing: model.layers.1.self_attn.v_proj.weight_scale"),
     (_wrong_shape_scale, grpc.StatusCode.FAILED_PRECONDITION,
      "model.layers.0.mlp.up_proj.weight_scale [64, 1] where the model has [128, 1]"),
     (_bf16_weight, grpc.StatusCode.FAILED_PRECONDITION, "model.layers.0.mlp.up_proj.weight (BF16)"),
-], ids=["missing-scale", "wrong-shape-scale", "not-fp8"])
+    # would load, report ready and serve NaN logits (every token the same id) or flipped rows
+    (_nan_scale, grpc.StatusCode.FAILED_PRECONDITION,
+     "model.layers.1.mlp.down_proj.weight_scale[5, 0] is nan; a scale must be finite and not negative"),
+    (_negative_scale, grpc.StatusCode.FAILED_PRECONDITION, "model.layers.0.self_attn.o_proj.weight_scale[0, 0] is -"),
+], ids=["missing-scale", "wrong-shape-scale", "not-fp8", "nan-scale", "negative-scale"])
 def test_a_broken_fp8_checkpoint_is_refused_before_anything_is_built(fp8_stub, tmp_path, edit, code, said):
     compressed_tensors_checkpoint(tmp_path, "FP8_DYNAMIC")
     edit_checkpoint(tmp_path, edit)
     with pytest.raises(grpc.RpcError) as raised:
         _load(fp8_stub, "broken", common_pb2.ModelSpec(hf_dir=str(tmp_path)), weights=str(tmp_path))
     assert raised.value.code() == code and said in raised.value.details(), raised.value.details()
+
+
+def test_a_static_activation_scale_of_zero_is_refused(fp8_stub, tmp_path):
+    """An input_scale divides the activations: 0 would turn every one to infinity."""
+    compressed_tensors_checkpoint(tmp_path, "FP8")
+    name = "model.layers.0.self_attn.k_proj.input_scale"
+    edit_checkpoint(tmp_path, lambda tensors: tensors[name].zero_())
+    with pytest.raises(grpc.RpcError) as raised:
+        _load(fp8_stub, "zero-input-scale", common_pb2.ModelSpec(hf_dir=str(tmp_path)), weights=str(tmp_path))
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"{name} is 0.0; a scale must be finite and positive" in raised.value.details(), raised.value.details()
 
 
 @pytest.mark.parametrize("edit, said", [

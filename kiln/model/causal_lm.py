@@ -223,12 +223,15 @@ def _shard_layer(config, tensor_parallel: TensorParallel) -> LayerHook:
 
 def _load_fp8_checkpoint(directory: Path, skeleton: PreTrainedModel, fmt: Fp8Checkpoint, device: str,
                          seed: int) -> PreTrainedModel:
-    """An FP8 checkpoint, checked name by name, shape by shape and type by type before anything is built, then loaded
-    layer by layer (kiln.quantization.fp8_checkpoint); the rest of the model's tensors after."""
+    """An FP8 checkpoint, checked name by name, shape by shape, type by type and its scales value by value before
+    anything is built, then loaded layer by layer (kiln.quantization.fp8_checkpoint); the rest of the model's
+    tensors after."""
     linears = fp8_checkpoint.quantized_linears(_decoder_layers(skeleton), fmt)
-    checkpoint.check(directory, skeleton, extra=fp8_checkpoint.expected_scales(linears, fmt))
+    scales = fp8_checkpoint.expected_scales(linears, fmt)
+    checkpoint.check(directory, skeleton, extra=scales)
     reader = fp8_checkpoint.CheckpointReader(directory)
     reader.check_fp8(linears)
+    reader.check_scales(scales)
     causal_lm = _dummy_weights(skeleton, device, seed,
                                lambda layer, prefix: fp8_checkpoint.load_layer(layer, prefix, reader, fmt))
     inside = tuple(f"{prefix}." for prefix in _decoder_layers(causal_lm))

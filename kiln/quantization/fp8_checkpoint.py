@@ -3,6 +3,7 @@ scales, name by name and shape by shape like every other tensor (kiln.model.chec
 form, one float32 scale per weight row (kiln.quantization.fp8_linear), layer by layer.
 """
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -64,6 +65,23 @@ class CheckpointReader:
         if wrong:
             raise FailedPrecondition(f"weights: {self.directory.name} stores {len(wrong)} quantized linear weights in "
                                      f"another type than {SAFETENSORS_FP8}: {', '.join(wrong[:3])}")
+
+
+    def check_scales(self, names: Iterable[str]) -> None:
+        """FAILED_PRECONDITION unless every scale named is finite, and positive where it divides (an activation's
+        ``input_scale``) or not negative where it multiplies (a weight's: an all-zero row's scale is 0). A NaN or an
+        infinity here is no error while loading: the model would report ready and serve NaN logits, every token
+        the same id. The scales are small (a value a weight row), so all are read before anything is built."""
+        for name in names:
+            scale = self.read(name).float()
+            divides = name.endswith(".input_scale")
+            bad = ~torch.isfinite(scale) | (scale <= 0 if divides else scale < 0)
+            if bad.any():
+                where = torch.nonzero(bad)[0].tolist() if scale.numel() > 1 else ""  # a tensor's one scale: no index
+                raise FailedPrecondition(
+                    f"weights: {self.directory.name}: {name}{where} is {scale[bad][0].item()}; "
+                    f"a scale must be finite and {'positive' if divides else 'not negative'} (the checkpoint is "
+                    "damaged, or was not written by an FP8 quantizer)")
 
 
 def load_layer(layer: torch.nn.Module, prefix: str, reader: CheckpointReader, fmt: Fp8Checkpoint) -> None:
