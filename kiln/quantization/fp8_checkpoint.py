@@ -66,7 +66,6 @@ class CheckpointReader:
             raise FailedPrecondition(f"weights: {self.directory.name} stores {len(wrong)} quantized linear weights in "
                                      f"another type than {SAFETENSORS_FP8}: {', '.join(wrong[:3])}")
 
-
     def check_scales(self, names: Iterable[str]) -> None:
         """FAILED_PRECONDITION unless every scale named is finite, and positive where it divides (an activation's
         ``input_scale``) or not negative where it multiplies (a weight's: an all-zero row's scale is 0). A NaN or an
