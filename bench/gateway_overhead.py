@@ -34,7 +34,7 @@ from serving import process_cpu_s
 
 from exec_service.openai.http_limits import DEFAULT_LIMITS
 from exec_service.openai.http_protocol import BoundedHttpToolsProtocol
-from exec_service.openai.streaming import DONE, ChunkStream
+from exec_service.openai.streaming import DONE, MEDIA_TYPE, ChunkStream
 from kiln_cli.service_process import free_port, kiln_command
 from protos import exec_pb2, exec_pb2_grpc
 
@@ -62,6 +62,7 @@ def serve_floor(port: int, prompt_len: int, output_len: int) -> None:
     stream = ChunkStream(1, False, MODEL, False, include_usage=True, want_token_ids=True)
     events = [stream.chunk(0, response) for response in stub_responses(prompt_len, output_len)]
     events += [stream.usage_chunk(), DONE]
+    head = f"{MEDIA_TYPE}; charset=utf-8".encode()  # as the gateway's EventStream says it
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
@@ -74,7 +75,7 @@ def serve_floor(port: int, prompt_len: int, output_len: int) -> None:
         if scope["method"] != "POST":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
             return await send({"type": "http.response.body", "body": b""})
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", head)]})
         for item in events:
             await send({"type": "http.response.body", "body": item, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
