@@ -125,6 +125,11 @@ def test_models_lists_the_ready_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].object == "model"
+    assert client.models.retrieve(MODEL).model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert error_of(missing.value) == {"message": "model: no ready model named 'no-such-model'",
+                                       "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
 
 
 def test_completion_text_round_trips(client, replicas, tokenizer):

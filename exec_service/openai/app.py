@@ -1,8 +1,9 @@
 """The gateway's ASGI app: OpenAI's endpoints over an ExecClient.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (whole or streamed as server-sent events), ``GET
-/v1/models`` (the execute service's ready models), ``GET /health`` (200 while an execute service behind the
-target answers SERVING, else 503: a readiness probe). Every failure is OpenAI's error object with its HTTP status.
+/v1/models`` and ``GET /v1/models/{model}`` (the execute service's ready models), ``GET /health`` (200 while an
+execute service behind the target answers SERVING, else 503: a readiness probe). Every failure is OpenAI's error
+object with its HTTP status.
 """
 
 import logging
@@ -32,7 +33,7 @@ from protos import exec_pb2
 log = logging.getLogger(__name__)
 
 MAX_AUTHORIZATION_CHARS = 4096
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health")
 
 
 def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics | None = None,
@@ -59,14 +60,25 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
         raise ApiError(503, "no execute service behind this gateway answers its health check SERVING",
                        "server_error", code="service_unavailable")
 
-    async def models(request: Request) -> JSONResponse:
+    async def ready_models(request: Request) -> list[dict]:
         try:
             listed = await request.app.state.client.list_models(_authorization(request))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return JSONResponse({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "kiln", "max_model_len": m.sizing.max_model_len}
-            for m in listed.models if m.state == exec_pb2.MODEL_STATE_READY]})
+        return [{"id": m.name, "object": "model", "created": 0, "owned_by": "kiln",
+                 "max_model_len": m.sizing.max_model_len}
+                for m in listed.models if m.state == exec_pb2.MODEL_STATE_READY]
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": await ready_models(request)})
+
+    async def model(request: Request) -> JSONResponse:
+        """One ready model (the SDK's ``models.retrieve``), or 404 as OpenAI answers a model it does not serve."""
+        name = request.path_params["model"]
+        for listed in await ready_models(request):
+            if listed["id"] == name:
+                return JSONResponse(listed)
+        raise ApiError(404, f"model: no ready model named {name[:200]!r}", param="model", code="model_not_found")
 
     async def completions(request: Request):
         body = await _parsed(request, CompletionRequest)
@@ -110,6 +122,7 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
             metrics.finished(endpoint, time.perf_counter() - started)
 
     routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model}", model, methods=["GET"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
@@ -165,7 +178,7 @@ class _CountResponses:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"] if scope["path"] in ENDPOINTS else "other"  # bounded labels
+        path = _endpoint(scope["path"])
 
         async def counted(message):
             if message["type"] == "http.response.start":
@@ -173,6 +186,13 @@ class _CountResponses:
             await send(message)
 
         await self.app(scope, receive, counted)
+
+
+def _endpoint(path: str) -> str:
+    """The metrics label of a request's path: one of ENDPOINTS, or ``other`` (the labels stay bounded)."""
+    if path.startswith("/v1/models/") and "/" not in path.removeprefix("/v1/models/"):
+        return "/v1/models/{model}"
+    return path if path in ENDPOINTS else "other"
 
 
 def _authorization(request: Request) -> str | None:
