@@ -244,6 +244,12 @@ def test_bad_input_is_openai_error_with_its_status(client):
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"5": 1.0})
     assert error_of(unsupported.value)["param"] == "logit_bias"
+    function = {"name": "f", "parameters": {"type": "object", "properties": {}}}
+    for field, value in (("tools", [{"type": "function", "function": function}]), ("functions", [function])):
+        with pytest.raises(openai.BadRequestError) as unsupported:  # the chat would answer as if none were given
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           **{field: value})
+        assert error_of(unsupported.value)["param"] == field
 
     with pytest.raises(openai.NotFoundError):  # an unknown model is refused before the stream starts
         client.completions.create(model="no-such-model", prompt=PROMPT, stream=True)

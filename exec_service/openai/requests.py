@@ -2,10 +2,10 @@
 
 The bounds are OpenAI's documented ones where it has them, and Kiln's (stated in protos/exec.proto) where the
 execute service is stricter; the execute service checks every field again. Parameters Kiln cannot honour
-(``logit_bias``, ``tools``, ``echo``, ``suffix``, a JSON ``response_format``) are refused by name rather than
-ignored, so a client never gets output that silently disregards what it asked for. Besides OpenAI's fields, the
-extras vLLM's clients send: ``top_k``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
-and ``return_token_ids`` (each choice and chunk also carries its ``token_ids``).
+(``logit_bias``, ``tools`` and ``functions``, ``echo``, ``suffix``, a JSON ``response_format``) are refused by name
+rather than ignored, so a client never gets output that silently disregards what it asked for. Besides OpenAI's
+fields, the extras vLLM's clients send: ``top_k``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, and ``return_token_ids`` (each choice and chunk also carries its ``token_ids``).
 """
 
 from typing import Annotated, Literal
@@ -165,12 +165,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict] | None = None
+    functions: list[dict] | None = None  # the API's older form of tools
     response_format: ResponseFormat | None = None
 
     def generate_requests(self) -> list[exec_pb2.GenerateRequest]:
         self.check_common()
-        if self.tools:
-            raise invalid("tools are not supported by Kiln", "tools")
+        for field in ("tools", "functions"):
+            if getattr(self, field):
+                raise invalid(f"{field} are not supported by Kiln", field)
         if self.response_format is not None and self.response_format.type != "text":
             raise invalid(f"response_format: only type 'text' is supported, not {self.response_format.type!r}",
                           "response_format")
