@@ -56,6 +56,7 @@ def run_api_server(args) -> int:
         return security_args.refuse_setting(ValueError("--https-cert and --https-key go together"))
     try:
         target = exec_target(addresses)
+        cors = security_args.cors_origins(args)
     except ValueError as exc:
         return security_args.refuse_setting(exc)
     tls = security_args.client_security(args).tls  # the token each call carries is its HTTP client's
@@ -63,7 +64,7 @@ def run_api_server(args) -> int:
     metrics = metrics_args.start_metrics(args, GatewayMetrics)
     settings = ApiServerSettings(args.host, args.port, target, tls, args.tls_server_name, args.https_cert,
                                  args.https_key, args.shutdown_grace_s, args.max_request_bytes,
-                                 security_args.http_limits(args))
+                                 security_args.http_limits(args), cors)
     try:
         ApiServer(settings, metrics.collector if metrics else None).run()
     finally:

@@ -174,14 +174,14 @@ def load_request_json(text: str) -> exec_pb2.LoadModelRequest:
 
 def openai_settings(args, security):
     """--openai-port: the endpoint's ApiServerSettings, on the gRPC server's host, under its shutdown grace and
-    request cap; None without it."""
+    request cap; None without it. ValueError for origins the environment gives wrong."""
     from exec_service.openai.server import ApiServerSettings
 
     if args.openai_port is None:
         return None
     return ApiServerSettings(args.host, args.openai_port, "", https_cert=args.https_cert, https_key=args.https_key,
                              shutdown_grace_s=args.shutdown_grace_s, max_request_bytes=security.max_request_bytes,
-                             limits=security_args.http_limits(args))
+                             limits=security_args.http_limits(args), cors_origins=security_args.cors_origins(args))
 
 
 def run_exec_server(args) -> int:
@@ -198,15 +198,22 @@ def run_exec_server(args) -> int:
         return security_args.refuse_setting(ValueError("--https-cert and --https-key go together"))
     if args.https_cert and args.openai_port is None:
         return security_args.refuse_setting(ValueError("--https-cert: serves the --openai-port endpoint; name it"))
+    if args.cors_origins and args.openai_port is None:
+        return security_args.refuse_setting(ValueError("--cors-allow-origin: applies to the --openai-port endpoint; "
+                                                       "name it"))
     trusted = TrustedKeys.load(args.trusted_keys)
     security = security_args.server_security(args)
+    try:
+        openai = openai_settings(args, security)
+    except ValueError as exc:
+        return security_args.refuse_setting(exc)
     client = security_args.client_security(args)
     telemetry = init_tracing("kiln-exec")  # the resource says which device (kiln.device, kiln.device.name)
     settings = ExecServerSettings(f"{args.host}:{args.port}", trusted, args.compile_server or None, args.store,
                                   args.cache or DEFAULT_CACHE_DIR, security, client, security_args.model_roots(args),
                                   tuple(args.load), hub=security_args.hub_cache(args),
                                   max_connection_age_s=args.max_connection_age_s or None,
-                                  openai=openai_settings(args, security))
+                                  openai=openai)
     metrics = metrics_args.start_metrics(args, ExecMetrics)
     try:
         serve_until_signal(lambda: start_exec_server(settings, metrics=metrics.collector if metrics else None),

@@ -4,6 +4,7 @@ Hugging Face cache, clients' CA, certificate and token. Each flag falls back to 
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from kiln.rpc.tls import ServerTls, TlsFileError
 from kiln.store.signing import KeyFileError
 from kiln_cli.arguments import CLIENT_ENVIRONMENT, SERVER_ENVIRONMENT
 
+# A web origin: scheme, host (a name or an IPv4 address, or an IPv6 one in brackets), an optional port.
+_ORIGIN = re.compile(r"https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?")
 # What a refused key, certificate or token file raises: the command prints it and exits 2.
 SETTING_ERRORS = (KeyFileError, TlsFileError, TokenFileError)
 
@@ -48,16 +51,38 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
-    """The bound an HTTP port's operator sets (kiln api-server, kiln exec-server --openai-port); the others are
-    exec_service.openai.http_limits's."""
+    """What an HTTP port's operator sets (kiln api-server, kiln exec-server --openai-port): the connection bound (the
+    others are exec_service.openai.http_limits's) and the web origins whose pages may call it."""
     p.add_argument("--max-http-connections", type=_connection_count,
                    default=os.environ.get("KILN_MAX_HTTP_CONNECTIONS") or str(HttpLimits.max_connections),
                    help="connections the HTTP port serves at once; one past them is answered 503 and closed "
                         "(env KILN_MAX_HTTP_CONNECTIONS)")
+    p.add_argument("--cors-allow-origin", dest="cors_origins", action="append", type=_origin, metavar="ORIGIN",
+                   help="let a web page from ORIGIN (scheme://host[:port], or * for any) call the HTTP API from a "
+                        "browser, bearer token included (repeatable; env KILN_CORS_ALLOW_ORIGINS, comma-separated; "
+                        "default: none, same-origin only)")
 
 
 def http_limits(args) -> HttpLimits:
     return HttpLimits(max_connections=args.max_http_connections)
+
+
+def cors_origins(args) -> tuple[str, ...]:
+    """The flag's origins, else the environment's; ValueError for one the environment gives wrong."""
+    if args.cors_origins:
+        return tuple(args.cors_origins)
+    try:
+        return tuple(_origin(o.strip()) for o in (os.environ.get("KILN_CORS_ALLOW_ORIGINS") or "").split(",")
+                     if o.strip())
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"KILN_CORS_ALLOW_ORIGINS: {exc}") from None
+
+
+def _origin(text: str) -> str:
+    """A CORS origin as browsers send it: ``*``, or scheme://host[:port] with nothing after."""
+    if text == "*" or _ORIGIN.fullmatch(text):
+        return text
+    raise argparse.ArgumentTypeError(f"must be * or scheme://host[:port] (no path, no trailing /), got {text!r}")
 
 
 def _connection_count(text: str) -> int:

@@ -282,6 +282,48 @@ def test_an_unknown_path_and_a_wrong_method_are_openai_errors(gateway):
             assert refused.value.headers["Allow"] == "POST"
 
 
+def test_pages_of_the_allowed_origins_may_call_from_a_browser(gateway, replicas):
+    """--cors-allow-origin: a browser's preflight from an allowed origin is answered with what it may send (the
+    token's header among it), a call's answer names the origin, another origin's preflight is refused; without the
+    flag no answer says any origin may read it."""
+    def call(url, method, origin, **headers):
+        request = urllib.request.Request(url, method=method, headers={"Origin": origin, **headers})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, response.headers
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.headers
+
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    target = "ipv4:" + ",".join(r.address for r in replicas)
+    server = ApiServer(ApiServerSettings("127.0.0.1", 0, target, cors_origins=("https://ui.example",)))
+    url = f"http://127.0.0.1:{server.start()}"
+    try:
+        status, headers = call(f"{url}/v1/chat/completions", "OPTIONS", "https://ui.example", **preflight)
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://ui.example"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        assert "authorization" in headers["Access-Control-Allow-Headers"].lower()
+        status, headers = call(f"{url}/v1/models", "GET", "https://ui.example")
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://ui.example"
+        status, headers = call(f"{url}/v1/chat/completions", "OPTIONS", "https://elsewhere.example", **preflight)
+        assert status == 400 and "Access-Control-Allow-Origin" not in headers
+    finally:
+        server.stop()
+    status, headers = call(f"{gateway.url}/v1/models", "GET", "https://ui.example")  # the flag's default: none
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+
+
+def test_a_cors_origin_is_a_scheme_host_and_port():
+    from kiln_cli.security_args import _origin
+
+    assert [_origin(o) for o in ("*", "https://ui.example", "http://10.0.0.5:3000", "http://[::1]:8080")] == [
+        "*", "https://ui.example", "http://10.0.0.5:3000", "http://[::1]:8080"]
+    refused = subprocess.run(kiln_command("api-server", "--exec-server", "127.0.0.1:1", "--cors-allow-origin",
+                                          "https://ui.example/"), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--cors-allow-origin: must be * or scheme://host[:port]" in refused.stderr
+
+
 @pytest.mark.parametrize(("code", "status", "kind"), [
     (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
     (grpc.StatusCode.FAILED_PRECONDITION, 400, "invalid_request_error"),

@@ -15,6 +15,7 @@ import grpc
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -37,9 +38,11 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/model
 
 
 def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: HttpLimits = DEFAULT_LIMITS) -> Starlette:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: HttpLimits = DEFAULT_LIMITS,
+              cors_origins: tuple[str, ...] = ()) -> Starlette:
     """The app; ``client_factory`` makes the ExecClient on the server's event loop when the app starts; a body over
-    ``max_request_bytes``, or slower than ``limits`` allow, is refused before it is parsed.
+    ``max_request_bytes``, or slower than ``limits`` allow, is refused before it is parsed. Pages from
+    ``cors_origins`` may call it from a browser (Starlette's CORS middleware answers their preflight requests).
 
     Starlette's routes, not FastAPI's: its dependency solving and request wrapping, which nothing here uses, were
     ~40% of the app's own CPU before a streamed request's first chunk (~30 µs of ~80); the bodies are pydantic models
@@ -129,6 +132,9 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
                     exception_handlers={ApiError: _api_error, HTTPException: _http_error})
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout_s=limits.body_timeout_s,
                        budget_bytes=limits.buffered_bodies * max_request_bytes)
+    if cors_origins:  # no cookies: a page's calls carry their bearer token in Authorization, as any client's
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
     if metrics is not None:
         app.add_middleware(_CountResponses, metrics=metrics)  # added last, so it runs first: a 413 is counted too
     return app

@@ -40,6 +40,7 @@ class ApiServerSettings:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies are 413, unread
     limits: HttpLimits = DEFAULT_LIMITS  # what one client can make the server hold, and for how long
+    cors_origins: tuple[str, ...] = ()  # web origins whose pages may call the API from a browser ("*": any)
 
 
 class ApiServer:
@@ -48,7 +49,7 @@ class ApiServer:
         """``client_factory``: what the app calls; by default an ExecClient of ``settings.target``."""
         self.settings = settings
         app = build_app(client_factory or (lambda: ExecClient(settings.target, settings.tls, settings.server_name)),
-                        metrics, settings.max_request_bytes, settings.limits)
+                        metrics, settings.max_request_bytes, settings.limits, settings.cors_origins)
         # asyncio's loop, not uvloop (which the CLI's gRPC servers run on): uvloop made no difference here beyond the
         # runs' spread, to a lone request's first token (bench/gateway_overhead.py) or at rate inf through either
         # HTTP path (bench/serving.py, thirteenth session). The HTTP parser is httptools, a dependency, rather than
