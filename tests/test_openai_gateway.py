@@ -322,6 +322,9 @@ def test_a_cors_origin_is_a_scheme_host_and_port():
     refused = subprocess.run(kiln_command("api-server", "--exec-server", "127.0.0.1:1", "--cors-allow-origin",
                                           "https://ui.example/"), capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--cors-allow-origin: must be * or scheme://host[:port]" in refused.stderr
+    refused = subprocess.run(kiln_command("exec-server", "--trusted-keys", "unread.pub", "--cors-allow-origin",
+                                          "https://ui.example"), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "applies to the --openai-port endpoint" in refused.stderr
 
 
 @pytest.mark.parametrize(("code", "status", "kind"), [
