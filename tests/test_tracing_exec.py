@@ -5,7 +5,11 @@ real OTLP receiver; the client's own spans go there too. Request spans are also 
 """
 
 import asyncio
+import json
+import random
+import subprocess
 import time
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -19,7 +23,7 @@ from exec_service.engine.sequence import SamplingParams, Sequence
 from exec_service.telemetry.request_spans import RequestSpans
 from kiln.errors import Internal
 from kiln.rpc.grpc_server import CHANNEL_OPTIONS
-from kiln_cli.service_process import LocalServices
+from kiln_cli.service_process import LocalServices, free_port, kiln_command
 from protos import exec_pb2, exec_pb2_grpc
 from tracing import spans
 from tracing.forward_span_writer import FORWARD_DURATION
@@ -264,6 +268,57 @@ def test_forward_stats_agree_with_the_forward_spans_and_the_histogram(traced_run
         return latest == {(s.batch_size, s.phase, s.path): s.count for s in stats} and latest
 
     otlp_receiver.wait_for(histogram, timeout_s=15)
+
+
+def test_an_http_request_is_one_trace_from_its_client_through_the_gateway(traced_run, traced_services, otlp_receiver,
+                                                                          tmp_path):
+    """A traced ``kiln api-server``: a request carrying its client's ``traceparent`` is the gateway's server span
+    under the client's span, lasting the whole stream; its Generate a client span under it; the execute service's
+    spans under that. Health probes are not traced. (After the test above: its steps would count in the histogram.)"""
+    port = free_port()
+    log = (tmp_path / "api-server.log").open("w")
+    gateway = subprocess.Popen(kiln_command("api-server", "--port", str(port), "--exec-server",
+                                            traced_services.exec.address),
+                               env=otel_env(otlp_receiver.endpoint), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until its readiness probe answers 200
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5).close()
+                break
+            except OSError:
+                assert gateway.poll() is None and time.monotonic() < deadline, (tmp_path / "api-server.log").read_text()
+                time.sleep(0.2)
+        trace_id, client_span = f"{random.getrandbits(128):032x}", f"{random.getrandbits(64):016x}"
+        body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "stream": True,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={
+            "Content-Type": "application/json", "traceparent": f"00-{trace_id}-{client_span}-01"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert answer.read().endswith(b"data: [DONE]\n\n")
+
+        def complete(receiver):
+            trace = receiver.spans(trace_id)
+            kinds = Counter((s.name, s.kind) for s in trace)
+            return kinds[("POST /v1/completions", "SERVER")] == 1 and kinds[(f"text_completion {MODEL}", "INTERNAL")] \
+                and kinds[(spans.FORWARD, "INTERNAL")] >= 3 and trace
+
+        trace = otlp_receiver.wait_for(complete)
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=60)
+        log.close()
+    http = one(trace, "POST /v1/completions", "SERVER")
+    assert http.parent_span_id == client_span and http.resource["service.name"] == "kiln-api"
+    call = one(trace, "/kiln.v1.ExecService/Generate", "CLIENT")
+    served = one(trace, "/kiln.v1.ExecService/Generate", "SERVER")
+    assert call.parent_span_id == http.span_id and call.resource["service.name"] == "kiln-api"
+    assert served.parent_span_id == call.span_id and served.resource["service.name"] == "kiln-exec"
+    assert one(trace, f"text_completion {MODEL}").parent_span_id == served.span_id
+    assert http.start_ns <= call.start_ns and call.end_ns <= http.end_ns
+    api_spans = [s for s in otlp_receiver.spans() if s.resource["service.name"] == "kiln-api"]
+    assert not [s for s in api_spans if "health" in s.name]
 
 
 # --- request spans on the SDK in memory ---

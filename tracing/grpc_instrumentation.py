@@ -19,13 +19,14 @@ from tracing.grpc_server_spans import ServerSpans
 _TRACED_CALLS = filters.negate(filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection")))
 
 
-def _tracing_on(tracer_provider: TracerProvider | None) -> bool:
+def tracing_on(tracer_provider: TracerProvider | None = None) -> bool:
+    """Whether spans would be recorded: a provider given, or one installed (init_tracing) in place of the API's."""
     return tracer_provider is not None or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """For a grpc.aio server: a server span per call, continuing the caller's trace. Call after init_tracing."""
-    return [ServerSpans(trace.get_tracer("kiln.grpc"), _TRACED_CALLS)] if _tracing_on(None) else []
+    return [ServerSpans(trace.get_tracer("kiln.grpc"), _TRACED_CALLS)] if tracing_on(None) else []
 
 
 def instrumented_channel(address: str, options: Sequence = (), tracer_provider: TracerProvider | None = None,
@@ -37,7 +38,7 @@ def instrumented_channel(address: str, options: Sequence = (), tracer_provider: 
                else grpc.insecure_channel(address, options=list(options)))
     if interceptors:
         channel = grpc.intercept_channel(channel, *interceptors)
-    if not _tracing_on(tracer_provider):
+    if not tracing_on(tracer_provider):
         return channel
     return intercept_channel(channel, client_interceptor(tracer_provider, filter_=_TRACED_CALLS))
 
@@ -46,7 +47,7 @@ def instrumented_aio_channel(address: str, options: Sequence = (), tracer_provid
                              credentials: grpc.ChannelCredentials | None = None,
                              interceptors: Sequence = ()) -> grpc.aio.Channel:
     """The grpc.aio counterpart of instrumented_channel, for calls made from a server's event loop."""
-    tracing = aio_client_interceptors(tracer_provider, filter_=_TRACED_CALLS) if _tracing_on(tracer_provider) else []
+    tracing = aio_client_interceptors(tracer_provider, filter_=_TRACED_CALLS) if tracing_on(tracer_provider) else []
     interceptors = [*interceptors, *tracing] or None
     if credentials:
         return grpc.aio.secure_channel(address, credentials, options=list(options), interceptors=interceptors)

@@ -30,6 +30,7 @@ from exec_service.openai.responses import Completion
 from exec_service.openai.streaming import ChunkStream, EventStream
 from kiln.rpc.grpc_server import DEFAULT_MAX_REQUEST_BYTES
 from protos import exec_pb2
+from tracing.http_server_spans import traced_http
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,11 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/model
 
 def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: HttpLimits = DEFAULT_LIMITS,
-              cors_origins: tuple[str, ...] = ()) -> Starlette:
+              cors_origins: tuple[str, ...] = ()):
     """The app; ``client_factory`` makes the ExecClient on the server's event loop when the app starts; a body over
     ``max_request_bytes``, or slower than ``limits`` allow, is refused before it is parsed. Pages from
     ``cors_origins`` may call it from a browser (Starlette's CORS middleware answers their preflight requests).
+    With tracing on, each request is a server span continuing its client's trace (tracing.http_server_spans).
 
     Starlette's routes, not FastAPI's: its dependency solving and request wrapping, which nothing here uses, were
     ~40% of the app's own CPU before a streamed request's first chunk (~30 µs of ~80); the bodies are pydantic models
@@ -137,7 +139,7 @@ def build_app(client_factory: Callable[[], ExecClient], metrics: GatewayMetrics 
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
     if metrics is not None:
         app.add_middleware(_CountResponses, metrics=metrics)  # added last, so it runs first: a 413 is counted too
-    return app
+    return traced_http(app, lambda scope: f"{scope.get('method', 'HTTP')} {_endpoint(scope.get('path', ''))}")
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
