@@ -11,13 +11,17 @@ and nothing behind it: what a hop over HTTP costs before any gateway code runs, 
 it adds past that. Each path's client is what bench/serving.py uses (grpc.aio; h11 with kept-alive connections).
 Also reported: the gateway process's CPU time per request.
 
+With ``--traced`` the gateway traces (its HTTP server spans and Generate client spans) to a real OTLP receiver in
+this process, as it would to Jaeger: what tracing adds to its hop.
+
 usage: python bench/gateway_overhead.py [--requests 200] [--warmup 20] [--gap-s 0.02] [--prompt-len 32]
-                                       [--output-len 16]
+                                       [--output-len 16] [--traced]
 """
 
 import argparse
 import asyncio
 import functools
+import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +41,7 @@ from exec_service.openai.http_protocol import BoundedHttpToolsProtocol
 from exec_service.openai.streaming import DONE, MEDIA_TYPE, ChunkStream
 from kiln_cli.service_process import free_port, kiln_command
 from protos import exec_pb2, exec_pb2_grpc
+from tracing.otlp_receiver import OtlpReceiver
 
 MODEL = "stub"
 
@@ -129,9 +134,13 @@ async def run(args) -> None:
     await server.start()
     address = f"127.0.0.1:{port}"
     http_port, floor_port = free_port(), free_port()
+    receiver = OtlpReceiver().start() if args.traced else None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    if receiver is not None:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "servers.log", "ab") as log:
         child = subprocess.Popen(kiln_command("api-server", "--port", str(http_port), "--exec-server", address),
-                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         floor = subprocess.Popen([sys.executable, __file__, "--serve-floor", str(floor_port), "--prompt-len",
                                   str(args.prompt_len), "--output-len", str(args.output_len)],
                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -163,9 +172,14 @@ async def run(args) -> None:
                 process.terminate()
                 process.wait(timeout=30)
     await server.stop(None)
+    traced = ""
+    if receiver is not None:
+        traced = f", the gateway traced ({len(receiver.spans())} spans received)"
+        receiver.stop()
     p50 = {path: statistics.median(t) for path, t in times.items()}
     print(f"{args.requests} lone requests per path, alternated, {args.gap_s * 1e3:g} ms apart, {args.prompt_len} "
-          f"prompt tokens, {args.output_len} one-token messages, stub execute service, {time.strftime('%Y-%m-%d')}")
+          f"prompt tokens, {args.output_len} one-token messages, stub execute service{traced}, "
+          f"{time.strftime('%Y-%m-%d')}")
     print("| path | TTFT p50 ms | TTFT mean ms | p90 ms |")
     print("|---|---|---|---|")
     for path, t in times.items():
@@ -183,6 +197,7 @@ def main() -> None:
     p.add_argument("--gap-s", type=float, default=0.02)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--traced", action="store_true", help="the gateway traces to an OTLP receiver in this process")
     p.add_argument("--serve-floor", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the floor's own process
     args = p.parse_args()
     if args.serve_floor:
