@@ -26,7 +26,7 @@ def tracing_on(tracer_provider: TracerProvider | None = None) -> bool:
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     """For a grpc.aio server: a server span per call, continuing the caller's trace. Call after init_tracing."""
-    return [ServerSpans(trace.get_tracer("kiln.grpc"), _TRACED_CALLS)] if tracing_on(None) else []
+    return [ServerSpans(trace.get_tracer("kiln.grpc"), _TRACED_CALLS)] if tracing_on() else []
 
 
 def instrumented_channel(address: str, options: Sequence = (), tracer_provider: TracerProvider | None = None,
