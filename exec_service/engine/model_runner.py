@@ -78,8 +78,10 @@ class ModelRunner:
         self.buffers = buffers
         self.full_graphs = full_graphs
         self.mixed_graphs = mixed_graphs
-        # Recorded after each step's copy of its sampled ids, one per host set of the buffers.
-        self._ready = [torch.cuda.Event(blocking=True) for _ in range(2)] if self.device == "cuda" else None
+        # Recorded after each step's copy of its sampled ids, one per host set of the buffers. Waited on by spinning
+        # (the GIL released), not by sleeping until the driver wakes the thread: that wake-up cost each step's
+        # read-back ~0.2 ms on the H200's host (BENCHMARKS.md, a lone request's TTFT).
+        self._ready = [torch.cuda.Event() for _ in range(2)] if self.device == "cuda" else None
 
     def close(self) -> None:
         self.forward.close()
