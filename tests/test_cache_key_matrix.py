@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from conftest import ANOTHER_TORCH, TINY_CONFIG, TINY_MODEL
 
 from exec_service.startup.fetch import FetchedBundle, check_factors
@@ -265,6 +266,11 @@ def start_server(name: str, tree: Path, tmp: Path, signing_key: Path, env: dict)
     return server
 
 
+def lower_cpu_isa() -> str:
+    """An ATEN_CPU_CAPABILITY below this host's (it can only lower it): AVX2 on an AVX-512 host, none on an AVX2 one."""
+    return "default" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "avx2"
+
+
 @pytest.fixture(scope="module")
 def other_servers(tmp_path_factory, signing_dir):
     """Two compile servers as child processes, started together: one with noise only, one with real factors."""
@@ -280,7 +286,7 @@ def other_servers(tmp_path_factory, signing_dir):
         "KILN_UNRELATED": "1", "LANG": "C",
         "OTEL_SDK_DISABLED": "true"})
     factors = start_server("factors", copy_sources(tmp / "factors-src", edit_statement), tmp, key, {
-        "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"})
+        "TORCHINDUCTOR_MAX_AUTOTUNE": "1", "ATEN_CPU_CAPABILITY": lower_cpu_isa(), "OMP_NUM_THREADS": "1"})
     servers = {"noise": noise, "factors": factors}
     try:
         for server in servers.values():
@@ -321,11 +327,11 @@ def test_new_key_from_another_process(compile_stub, other_servers, tiny_key, row
 
 
 def test_compile_caches_are_partitioned_by_cpu_isa(other_servers, tiny_compiles, tmp_path):
-    """The session's compile used this process's partition; the AVX2 process would use another one."""
-    avx2 = factors_of(key_of(other_servers["factors"]))["environment"]
+    """The session's compile used this process's partition; the process with a lower ISA would use another one."""
+    lower = factors_of(key_of(other_servers["factors"]))["environment"]
     here = compiler_caches.partition_factors("cpu")
-    other = {"cpu_capability": avx2["cpu_isa"], "inductor_vec_isa": avx2["inductor_vec_isa"],
-             "machine": avx2["machine"]}
+    other = {"cpu_capability": lower["cpu_isa"], "inductor_vec_isa": lower["inductor_vec_isa"],
+             "machine": lower["machine"]}
     assert compiler_caches.partition_name(other) != compiler_caches.partition_name(here)
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
