@@ -21,7 +21,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from conftest import ANOTHER_TORCH, TINY_CONFIG, TINY_MODEL
 
 from exec_service.startup.fetch import FetchedBundle, check_factors
@@ -268,7 +267,7 @@ def start_server(name: str, tree: Path, tmp: Path, signing_key: Path, env: dict)
 
 def lower_cpu_isa() -> str:
     """An ATEN_CPU_CAPABILITY below this host's (it can only lower it): AVX2 on an AVX-512 host, none on an AVX2 one."""
-    return "default" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "avx2"
+    return "default" if compiler_caches.partition_factors("cpu")["cpu_capability"] == "AVX2" else "avx2"
 
 
 @pytest.fixture(scope="module")
