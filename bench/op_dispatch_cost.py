@@ -14,7 +14,8 @@ import torch
 from kiln.attention import op as attention_op
 from kiln.attention import reference as attention_reference
 from kiln.quantization import fp8_mm as fp8_mm_op
-from kiln.quantization.fp8_linear import quantize_rows, quantize_tokens
+from kiln.quantization.activation_quant import quantize_tokens
+from kiln.quantization.fp8_linear import quantize_rows
 
 
 def us_per_call(fn, calls: int) -> float:

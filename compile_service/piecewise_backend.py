@@ -19,6 +19,7 @@ from torch.fx.passes.split_module import split_module
 
 from kiln.compilation.piecewise import CompiledPiece, PiecewiseFunction
 from kiln.model.merged_projections import merge_identical_linears
+from kiln.quantization.activation_quant import route_activation_quantize
 from tracing import spans
 
 ProgressFn = Callable[[str, int, int, str, str], None]  # (phase, piece, num_pieces, size, region)
@@ -31,6 +32,7 @@ class SplitStats:
     timings: dict[str, float] = field(default_factory=dict)
     graph_received_ns: int = 0  # wall clock when Dynamo handed over the graph: the end of its tracing
     merged_linears: int = 0  # linear calls made one with an identical one (kiln.model.merged_projections)
+    routed_quantizes: int = 0  # activation quantizes given Kiln's kernel (kiln.quantization.activation_quant)
 
 
 def _split_op_targets(splitting_ops: tuple[str, ...]) -> set:
@@ -137,6 +139,7 @@ class PiecewiseBackend:
         start = time.perf_counter()
         with spans.phase_span(spans.SPLIT, region=self.region) as span:
             self.stats.merged_linears = merge_identical_linears(gm)
+            self.stats.routed_quantizes = route_activation_quantize(gm)
             split_gm, split_parts = self._split(gm)
             names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]
             span.set_attributes({spans.NUM_PIECES: len(names), spans.NUM_SPLITS: len(split_parts)})

@@ -300,6 +300,46 @@ def test_an_fp8_layer_runs_one_fp8_product_per_projection_group():
     assert counts == [(7, 4, 3)]
 
 
+def test_the_quantizes_inductor_fuses_badly_are_given_kilns_kernel():
+    """The compile's pass gives kiln::quantize_kernel the input of down (SiLU(gate) x up, the SiLU and the product
+    with it) and of o (the attention op's output), and leaves the quantizes after the norms (q/k/v, gate/up) to
+    Inductor's fusion; the routed graph computes what the unrouted one does. On the CPU the compile does not route
+    (the pass is asked to here): the op's CPU code is the same torch ops, unfused."""
+    import torch.nn.functional as F
+
+    from compile_service.pipeline import _layer_examples
+    from kiln.model.merged_projections import merge_identical_linears
+    from kiln.quantization.activation_quant import QUANTIZE_TOKENS, route_activation_quantize
+
+    resolved = resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu")
+    module = build_model(resolved, "cpu", quantization="fp8")
+    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_compiled_tokens=64))
+    seen = {}
+
+    def compiled(route: bool):
+        def backend(gm, example_inputs):
+            merge_identical_linears(gm)
+            if route:
+                seen["on_cuda_only"] = route_activation_quantize(gm)
+                seen["routed"] = route_activation_quantize(gm, devices=("cpu",))
+                calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+                seen["kernels"] = sorted(n.args[1] is not None for n in calls
+                                         if n.target is torch.ops.kiln.quantize_kernel.default)
+                seen["left"] = sum(n.target in QUANTIZE_TOKENS for n in calls)
+                seen["silu"] = sum(n.target is F.silu for n in calls)
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            return torch.compile(step, backend=backend, fullgraph=True)(*inputs)
+
+    unrouted, routed = compiled(False), compiled(True)
+    assert seen["on_cuda_only"] == 0
+    assert seen["routed"] == 2 and seen["kernels"] == [False, True]  # o's input, down's SiLU x up
+    assert seen["left"] == 2 and seen["silu"] == 0
+    torch.testing.assert_close(routed, unrouted, rtol=0, atol=0)
+
+
 def test_the_70b_preset_fits_an_h200_in_fp8_only(monkeypatch):
     """The memory check before anything is allocated counts FP8 bytes: with the 100 GiB an H200 has left beside a
     KV cache, Llama-3.1-70B's bfloat16 weights (131.4 GiB) are refused, its FP8 ones (67.7 GiB) go on to be built."""

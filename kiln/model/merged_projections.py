@@ -11,6 +11,7 @@ profile, the eager runtime mode) multiply by each projection's own rows, as befo
 import torch
 import torch.nn.functional as F
 
+from kiln.quantization.activation_quant import QUANTIZE_TOKENS
 from kiln.quantization.fp8_mm import fp8_mm
 
 # (the layer's submodule, its projections that read one input), as transformers' dense decoders name them.
@@ -95,6 +96,8 @@ def merge_identical_linears(gm: torch.fx.GraphModule) -> int:
 
 
 LINEAR_TARGETS = (F.linear, torch._C._nn.linear, torch._scaled_mm, fp8_mm)
+# Custom ops whose result is a function of their arguments alone: the FP8 product and the quantize before it.
+_PURE_OPS = (*LINEAR_TARGETS, *QUANTIZE_TOKENS)
 # Calls whose result is not a function of their arguments alone: random numbers, and ops that read state.
 _STATEFUL = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "seed", "grad", "autocast")
 # The operator module's functions that change their first argument (``x += y`` on a tensor traces to iadd).
@@ -104,14 +107,14 @@ _MUTATING_OPERATORS = frozenset({"setitem", "delitem", "iadd", "iand", "iconcat"
 
 def _pure(node: torch.fx.Node) -> bool:
     """Whether two calls of ``node``'s target on the same arguments are the same value: torch and operator functions
-    and tensor methods, not in-place (a trailing underscore), not random, no custom op but the FP8 product (the
-    attention op reads the step's KV cache)."""
+    and tensor methods, not in-place (a trailing underscore), not random, no custom op but the FP8 product and
+    quantize (the attention op reads the step's KV cache)."""
     if node.op == "call_method":
         name = node.target
     elif node.op == "call_function":
         name = getattr(node.target, "__name__", "")
         module = getattr(node.target, "__module__", "") or ""
-        if node.target not in LINEAR_TARGETS and (
+        if node.target not in _PURE_OPS and (
                 isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
                 or not module.startswith(("torch", "_operator"))):
             return False

@@ -2,8 +2,9 @@
 
 The product is ``torch.ops.kiln.fp8_mm``: ``torch._scaled_mm`` (cuBLASLt row-wise scaling on Hopper, oneDNN on the
 CPU, so the CPU runs the real path), or for decode-sized steps on CUDA Kiln's own kernel (kiln.quantization.fp8_mm,
-fp8_small_m). The activation quantize is plain torch ops in the traced graph, where Inductor fuses it into the
-kernel that makes the activation (the RMSNorm before q/k/v and gate/up, SiLU×up before down; docs/fp8.md).
+fp8_small_m). The activation quantize is ``torch.ops.kiln.quantize_tokens``, which a compiled layer fuses into the
+kernel that makes the activation, or runs as Kiln's own kernel where that fusion is slow
+(kiln.quantization.activation_quant; docs/fp8.md).
 
 Weights are module tensors like any other: a compiled layer takes them as call inputs, never as constants. (Not
 torchao's Float8 config: it runs on CUDA of compute capability 8.9+ only, and its weights are tensor subclasses;
@@ -12,12 +13,8 @@ docs/fp8.md.)
 
 import torch
 
+from kiln.quantization.activation_quant import FP8, FP8_MAX, MIN_SCALE
 from kiln.quantization.fp8_mm import fp8_mm
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-# The smallest activation scale: a row of zeros quantizes to zeros instead of 0/0 (vLLM's bound as well).
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,13 +22,6 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] -> (float8 [M, K], float32 scale [M, 1]), one scale per token (row)."""
-    x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +35,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                input_scale: torch.Tensor | None) -> torch.Tensor:
     """``x`` [..., K] times float8 ``weight`` [N, K] with row scales ``weight_scale`` [N] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_tokens(rows) if input_scale is None else quantize_static(rows, input_scale)
+    q, scale = torch.ops.kiln.quantize_tokens(rows) if input_scale is None else quantize_static(rows, input_scale)
     # cuBLASLt's row-wise scaling writes bfloat16 only; the CPU writes any dtype.
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     out = fp8_mm(q, scale, weight, weight_scale, out_dtype)

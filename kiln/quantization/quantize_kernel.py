@@ -1,0 +1,90 @@
+"""Kiln's Triton kernel for an activation's per-token FP8 quantize, of the activation itself or of SiLU(gate) × up.
+
+One program a token. For a few rows (a decode step) a row that fits ONE_PASS_MAX elements is read once into the
+registers of many warps: its amax, scale and float8 values come from the same load. For many rows (a prefill) a
+program of a few warps reads its row twice in blocks, the second time from L2: a one-pass program holding a
+14,336-wide row needs a whole SM's registers, so an SM ran one row at a time and waited on each load (69 µs for
+2,048 rows on the H200, against ~35 µs that the bytes need), where small programs keep many rows in flight. A row
+wider than ONE_PASS_MAX (Llama-3.1-70B's 28,672) takes two passes either way. The values are those of
+kiln.quantization.activation_quant's torch ops, computed in float32 as Inductor's fused kernels compute them (SiLU and
+the product not rounded to the activation's dtype between them): the scale max(amax / 448, MIN_SCALE), x / scale
+clamped to ±448.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kiln.quantization.activation_quant import FP8, MIN_SCALE
+
+FP8_MAX = tl.constexpr(448.0)
+ONE_PASS_MAX = 16384  # widest row held in registers (Llama-3-8B's 14,336 MLP width)
+LOOP_BLOCK = 4096  # elements per step of a row too wide for one pass, when the rows are few
+FEW_ROWS = 32  # up to this many rows a program reads its row in one pass where it fits
+MANY_ROWS_CONFIG = (2048, False, 4)  # past FEW_ROWS: (block, one pass, warps)
+
+
+@triton.jit
+def _activation(x_row, up_row, cols, width, GLU: tl.constexpr):
+    mask = cols < width
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if GLU:
+        up = tl.load(up_row + cols, mask=mask, other=0.0)
+        x = x * tl.sigmoid(x) * up.to(tl.float32)
+    return x
+
+
+@triton.jit(do_not_specialize=["width", "stride_x", "stride_up", "stride_q"])
+def _quantize_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, width, stride_x, stride_up, stride_q, min_scale,
+                     GLU: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    up_row = up_ptr + row * stride_up
+    q_row = q_ptr + row * stride_q
+    cols = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        y = _activation(x_row, up_row, cols, width, GLU)
+        scale = tl.maximum(tl.max(tl.abs(y), 0) / FP8_MAX, min_scale)
+        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < width)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, width, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_activation(x_row, up_row, start + cols, width, GLU)))
+        scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, min_scale)
+        for start in range(0, width, BLOCK):
+            y = _activation(x_row, up_row, start + cols, width, GLU)
+            q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+            tl.store(q_row + start + cols, q.to(q_ptr.dtype.element_ty), mask=start + cols < width)
+    tl.store(scale_ptr + row, scale)
+
+
+def _config(m: int, width: int) -> tuple[int, bool, int]:
+    """(BLOCK, ONE_PASS, num_warps) for ``m`` rows of ``width``. A few rows: a program's threads as many as its
+    loads can use (H200, in CUDA graphs: SiLU x up of 14,336 at 1 row 4.4 µs with 32 warps against 5.1 with 16; a
+    4,096 row 1.7 µs with 8 warps; Inductor's fusions 4.9 and 1.9). Many: MANY_ROWS_CONFIG (BENCHMARKS.md, the
+    quantize kernel's sweep)."""
+    block = triton.next_power_of_2(width)
+    if m > FEW_ROWS:
+        return MANY_ROWS_CONFIG
+    if block > ONE_PASS_MAX:
+        return LOOP_BLOCK, False, 8
+    return block, True, max(4, min(32, block // 512))
+
+
+def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None,
+                      config: tuple[int, bool, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] (with ``up`` [M, K]: SiLU(x) × up), rows contiguous -> (float8 [M, K], float32 scale [M, 1]).
+    ``config`` (BLOCK, ONE_PASS, num_warps) is for a sweep; None: this module's choice."""
+    m, width = x.shape
+    q = torch.empty(m, width, dtype=FP8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    if config is None:
+        config = _config(m, width)
+    block, one_pass, num_warps = config
+    other = x if up is None else up
+    _quantize_kernel[(m,)](x, other, q, scale, width, x.stride(0), other.stride(0), q.stride(0), MIN_SCALE,
+                           GLU=up is not None, BLOCK=block, ONE_PASS=one_pass, num_warps=num_warps)
+    return q, scale

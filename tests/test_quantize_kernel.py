@@ -1,0 +1,72 @@
+"""Kiln's Triton kernel for the activations' per-token FP8 quantize (kiln.quantization.quantize_kernel) against the
+torch ops it stands for: on the H200, or on the CPU under Triton's interpreter with
+``TRITON_INTERPRET=1 python -m pytest -m gpu tests/test_quantize_kernel.py``."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kiln.quantization.activation_quant import FP8, quantize_tokens, silu_mul
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED),
+                                                  reason="needs a CUDA device or TRITON_INTERPRET=1 with triton")]
+# Widths: Llama-3-8B's attention output and MLP (one pass), 70B's MLP (two passes over blocks); small ones for the
+# interpreter, one not a power of two, one past the one-pass limit.
+WIDTHS = (4096, 14336, 28672) if torch.cuda.is_available() else (96, 1000, 20000)
+SUBNORMAL_STEP = 2.0 ** -9  # float8_e4m3fn's spacing below its smallest normal value
+
+
+def assert_same_quantize(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+                         exact_share: float) -> None:
+    """Scales equal within two bfloat16 steps of the row's largest value; each float8 value within one float8 step
+    of the reference's (1/8 of it, or one subnormal step), and at least ``exact_share`` of them equal (the kernel's
+    sigmoid is not torch's: a last bit of the largest value moves the scale, and with it a row's values). Under
+    Triton's interpreter the casts are not the GPU's round-to-nearest-even: the float8 one drops the carry of a
+    mantissa rounded up (a value just under 128 becomes 64, where cvt.rn gives 128), so there a value is held
+    within 60% of it and no share equal."""
+    (q, scale), (want_q, want_scale) = got, want
+    assert q.dtype == FP8 and scale.dtype == torch.float32
+    assert q.shape == want_q.shape and scale.shape == want_scale.shape
+    torch.testing.assert_close(scale, want_scale, rtol=2 * 2.0 ** -7, atol=0)
+    values, want_values = q.float() * scale, want_q.float() * want_scale
+    share = 0.6 if INTERPRETED else 1 / 8
+    assert ((values - want_values).abs() <= want_values.abs() * share + 2 * SUBNORMAL_STEP * want_scale).all()
+    if not INTERPRETED:
+        assert (q.float() == want_q.float()).float().mean() >= exact_share
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_the_kernel_quantizes_as_the_torch_ops(m, width):
+    from kiln.quantization.quantize_kernel import quantize_rows_fp8
+
+    torch.manual_seed(width + m)
+    x = torch.randn(m, width, device=DEVICE, dtype=torch.bfloat16) * torch.logspace(-2, 1, m, device=DEVICE)[:, None]
+    x[0] = 0  # a row of zeros: the smallest scale, zeros out
+    got = quantize_rows_fp8(x)
+    assert_same_quantize(got, quantize_tokens(x), exact_share=0.99)
+    assert (got[0][0].float() == 0).all()
+    torch.testing.assert_close(got[1], quantize_tokens(x)[1], rtol=0, atol=0)  # no SiLU: exactly the same
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_the_kernel_quantizes_silu_times_up_from_the_merged_product(m, width):
+    """gate and up are the two halves of gate/up's merged product, rows strided by twice the width."""
+    from kiln.quantization.quantize_kernel import quantize_rows_fp8
+
+    torch.manual_seed(width + m)
+    merged = torch.randn(m, 2 * width, device=DEVICE, dtype=torch.bfloat16) * 3
+    gate, up = merged[:, :width], merged[:, width:]
+    assert_same_quantize(quantize_rows_fp8(gate, up), quantize_tokens(silu_mul(gate, up)), exact_share=0.9)
+
+
+def test_no_rows_is_no_launch():
+    from kiln.quantization.quantize_kernel import quantize_rows_fp8
+
+    q, scale = quantize_rows_fp8(torch.empty(0, 256, device=DEVICE, dtype=torch.bfloat16))
+    assert q.shape == (0, 256) and scale.shape == (0, 1)
