@@ -721,10 +721,11 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} must be at most {MAX_CUDA_HEAD_DIM} and match the cache's "
                          f"{kv_cache.shape[-1]}")
     write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale)
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    if meta.is_decode:
+    if meta.is_decode:  # every token is a row of one query (a graph's padding rows too), whose output it writes
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _decode(q, kv_cache, meta, scale, window, softcap, out, kv_scale)
     else:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         with_decodes = meta.num_decodes > 0 or meta.any_rows
         if with_decodes:
             _decode(q, kv_cache, meta, scale, window, softcap, out, kv_scale)
