@@ -32,27 +32,13 @@ import triton.language as tl
 
 from kiln.quantization.activation_quant import quantize_tokens
 from kiln.quantization.fp8_linear import fp8_linear, quantize_rows
-from kiln.quantization.fp8_small_m import small_m_mm
+from kiln.quantization.fp8_small_m import REDUCE_BLOCK, reduce_kernel, small_m_mm
 
 # (name, out_features, in_features) of Llama-3-8B's merged projections
 GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 MAX_WEIGHT_ONLY_TOKENS = 64  # the candidate is for decode-sized steps
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) the candidate is timed at
 CONFIGS = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4))
-REDUCE_BLOCK = 256  # outputs a reduce program sums
-
-
-@triton.jit
-def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n: the weight-only candidates'
-    split-K reduce (Kiln's own kernel adds its splits itself)."""
-    m = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
-    w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
-    tl.store(out_ptr + m * stride_om + rn, (acc * w_scale).to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit

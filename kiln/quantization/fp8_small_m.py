@@ -5,9 +5,7 @@ On CUDA 12.9+ PyTorch hands a row-wise ``_scaled_mm`` to cuBLASLt, which runs ev
 "FP8 decode"). This kernel puts the weight first in the FP8 tensor-core dot ("swap A and B", as vLLM's and
 CUTLASS's small-M configs do: the weight's rows are the dot's 64-row side, the few tokens the other) and, up to
 SPLIT_M rows, splits K so that more SMs stream weight bytes where the weight's rows are few (until half the SMs have
-a program). The partial sums are added by the last split of each tile to finish (a count of arrivals per tile,
-CUTLASS's "serial split-K"), not by a second kernel: at a decode step's sizes a launch of its own cost ~2 µs a
-product.
+a program), the partial sums added by a second kernel.
 """
 
 import functools
@@ -22,21 +20,19 @@ SPLIT_M = 32  # rows up to which the kernel takes every product, K split as spli
 MAX_M = 128  # rows up to which it takes the products whose weight cuBLASLt's tiles spread thin
 CUBLAS_TILE_N = 128  # weight rows a cuBLASLt FP8 tile covers at these sizes (nvjet_sm90_qqtst_128x128)
 MAX_SPLIT_K = 8
-MAX_TILES = 1 << 16  # arrival counters, one per tile of BLOCK_N weight rows: 4M rows, past any model's head
+REDUCE_BLOCK = 256  # outputs a reduce program sums: a 1-row step of N 4096 still spreads over 16 programs
 
 
 # M (the step's tokens) is not specialised on (Triton would build a variant for 1, for multiples of 16 and for the
 # rest): one build per layer shape and power-of-two BLOCK_M, before ready.
 @triton.jit(do_not_specialize=["M"])
-def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, stride_xm,
-                    stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_K: tl.constexpr):
     """out.T[N, M] = w[N, K] @ x.T[K, M] over this program's 1/SPLIT_K of K (K a multiple of SPLIT_K * BLOCK_K), both
-    operands FP8, times the token scales and the row scales, stored as bf16. With SPLIT_K > 1 each split stores its
-    float32 partial [SPLIT_K, M, N] and counts itself in at ``arrivals_ptr[tile]``; the one that arrives last adds
-    the partials in split order, stores the tile and sets the count back to 0 for the next product."""
-    tile = tl.program_id(0)
-    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    operands FP8, times the token scales; with SPLIT_K 1 times the row scales too and stored as bf16, else float32
+    partials [SPLIT_K, M, N] for reduce_kernel."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     per_split = K // SPLIT_K
@@ -51,32 +47,23 @@ def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, a
         x_ptrs += BLOCK_K
     acc *= tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)[None, :]
     mask = (rn[:, None] < N) & (rm[None, :] < M)
-    last = True
-    if SPLIT_K > 1:
-        partial = rm[None, :] * N + rn[:, None]
-        tl.store(part_ptr + split * M * N + partial, acc, mask=mask)
-        # Every thread's partial stored before the count: the count's release publishes them to the last split,
-        # whose acquire (and loads past L1) read them.
-        tl.debug_barrier()
-        last = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
-        if last:  # the splits added in their order, whichever arrived last: the same sums every time
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for other in tl.static_range(SPLIT_K):
-                total += tl.where(other == split, acc, tl.load(part_ptr + other * M * N + partial,
-                                                               mask=mask & (other != split), other=0.0,
-                                                               cache_modifier=".cg"))
-            acc = total
-            tl.atomic_xchg(arrivals_ptr + tile, 0)
-    if last:
+    if SPLIT_K == 1:
         w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
         tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], (acc * w_scale[:, None]).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
 
 
-@functools.cache
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """The split products' arrival counters on ``device``, zero between products. Made at the first split product,
-    a warm-up's before any CUDA-graph capture (made in one, its zeroing would be a node of that graph: harmless)."""
-    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+@triton.jit(do_not_specialize=["M"])
+def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n, as bf16."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
+    w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
+    tl.store(out_ptr + m * stride_om + rn, (acc * w_scale).to(tl.bfloat16), mask=rn < N)
 
 
 @functools.cache
@@ -136,11 +123,11 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     block_n, block_k, splits, num_warps, num_stages = config
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
-    tiles = triton.cdiv(n, block_n)
-    if tiles > MAX_TILES:
-        raise ValueError(f"a weight of {n} rows is {tiles} tiles of {block_n}, past the {MAX_TILES} counted")
-    _swap_ab_kernel[(tiles, splits)](
-        q, scale, weight, weight_scale, out, part, _arrivals(q.device), m, n, k, q.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+    _swap_ab_kernel[(triton.cdiv(n, block_n), splits)](
+        q, scale, weight, weight_scale, out, part, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
         num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, weight_scale, out, m, n, out.stride(0), SPLIT_K=splits,
+                                                          BLOCK=REDUCE_BLOCK)
     return out
