@@ -3,7 +3,10 @@ a list of configs against Inductor's fusion of the same torch ops, each replayed
 
 Two cases, at Llama-3-8B's widths: SiLU(gate) x up of the MLP's 14,336 (gate and up the halves of the merged
 gate/up product, as a layer reads them) and the attention output's 4,096 (o's input). Prints µs and the TB/s of the
-bytes read and written, and the config this module picks for each row count.
+bytes read and written, and the config Kiln picks for each row count. A replay reads its input right after the replay
+before, so part of it is still in L2 (of the 14,336 case's 117 MB at 2,048 rows, up to the L2's 50 MB): a config
+that rereads its row from L2 gains less here than inside a layer, where the input comes from HBM. What a layer
+spends is bench/layer_kernels.py's to say.
 
 usage: python bench/quantize_kernel.py [--rows 1,32,512,2048] [--configs 2048:0:4,1024:0:4,...]
 """

@@ -1,14 +1,15 @@
 """Kiln's Triton kernel for an activation's per-token FP8 quantize, of the activation itself or of SiLU(gate) × up.
 
-One program a token. A row that fits ONE_PASS_MAX elements is read once into registers, its amax, scale and float8
-values from the same load, by as many warps as the load can use; but where there are many rows and the row is
-narrow (the attention's 4,096 before o), small programs that read their row twice in blocks, the second time from
-L2, keep more rows in flight: on an H100, 9.5 µs for 2,048 such rows against 26.9 in one pass (the MLP's 14,336
-the other way round: 77.0 µs in one pass of 16 warps, 95.3 in two of 4; BENCHMARKS.md, the quantize kernel's
-sweep). A row wider than ONE_PASS_MAX (Llama-3.1-70B's 28,672) takes two passes. The values are those of
-kiln.quantization.activation_quant's torch ops, computed in float32 as Inductor's fused kernels compute them (SiLU and
-the product not rounded to the activation's dtype between them): the scale max(amax / 448, MIN_SCALE), x / scale
-clamped to ±448.
+One program a token. For a few rows (a decode step) a row that fits ONE_PASS_MAX elements is read once into the
+registers of many warps: its amax, scale and float8 values come from the same load. For many rows (a prefill) a
+program of four warps reads its row twice in blocks, the second time mostly from L2: a one-pass program holding a
+14,336-wide row takes most of an SM's registers, so few rows are in flight. In a Llama-3-8B layer's 2,048-token
+prefill on an H100 the two quantizes took 116.7 µs this way against 136.1 in one pass (the same machine) and
+Inductor's fusions' 125.5 (another H100; BENCHMARKS.md). Replayed alone, where part of the row stays in L2 from the
+replay before, one pass looks faster (bench/quantize_kernel.py). A row wider than ONE_PASS_MAX (Llama-3.1-70B's
+28,672) takes two passes. The values are those of kiln.quantization.activation_quant's torch ops, computed in
+float32 as Inductor's fused kernels compute them (SiLU and the product not rounded to the activation's dtype between
+them): the scale max(amax / 448, MIN_SCALE), x / scale clamped to ±448.
 """
 
 import torch
@@ -20,9 +21,8 @@ from kiln.quantization.activation_quant import FP8, MIN_SCALE
 FP8_MAX = tl.constexpr(448.0)
 ONE_PASS_MAX = 16384  # widest row held in registers (Llama-3-8B's 14,336 MLP width)
 LOOP_BLOCK = 4096  # elements per step of a row too wide for one pass
-FEW_ROWS = 32  # up to this many rows a program gets twice the warps
-NARROW_ROWS = 4096  # past FEW_ROWS, a row this wide or narrower is read in two passes by small programs
-NARROW_CONFIG = (2048, False, 4)  # (BLOCK, ONE_PASS, num_warps) of those
+FEW_ROWS = 32  # up to this many rows a program reads its row in one pass where it fits
+MANY_ROWS_CONFIG = (2048, False, 4)  # past FEW_ROWS: (BLOCK, ONE_PASS, num_warps)
 
 
 @triton.jit
@@ -62,16 +62,15 @@ def _quantize_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, width, stride_x, stride_up
 
 
 def _config(m: int, width: int) -> tuple[int, bool, int]:
-    """(BLOCK, ONE_PASS, num_warps) for ``m`` rows of ``width`` (H200 and H100, in CUDA graphs: SiLU x up of 14,336
-    at 1 row 4.4–4.5 µs with 32 warps against 5.1 with 16 and Inductor's 5.7; at 2,048 rows 77.0 with 16 warps
-    against Inductor's 84.8; a 4,096 row at 1 row 2.1 µs with 8 warps, at 2,048 rows 9.5 with NARROW_CONFIG against
-    Inductor's 12.9; BENCHMARKS.md)."""
-    if m > FEW_ROWS and width <= NARROW_ROWS:
-        return NARROW_CONFIG
+    """(BLOCK, ONE_PASS, num_warps) for ``m`` rows of ``width``. A few rows: one pass by as many warps as the load can
+    use (in CUDA graphs, SiLU x up of 14,336 at 1 row: 4.4 µs with 32 warps against 5.1 with 16 on the H200, and
+    Inductor's 4.9; a 4,096 row 1.7 µs with 8 warps). Many: MANY_ROWS_CONFIG."""
+    if m > FEW_ROWS:
+        return MANY_ROWS_CONFIG
     block = triton.next_power_of_2(width)
     if block > ONE_PASS_MAX:
-        block = LOOP_BLOCK
-    return block, block >= width, max(4, min(32, block // (512 if m <= FEW_ROWS else 1024)))
+        return LOOP_BLOCK, False, 8
+    return block, True, max(4, min(32, block // 512))
 
 
 def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None,
