@@ -31,8 +31,6 @@ class SplitStats:
     num_splits: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     graph_received_ns: int = 0  # wall clock when Dynamo handed over the graph: the end of its tracing
-    merged_linears: int = 0  # linear calls made one with an identical one (kiln.model.merged_projections)
-    routed_quantizes: int = 0  # activation quantizes given Kiln's kernel (kiln.quantization.activation_quant)
 
 
 def _split_op_targets(splitting_ops: tuple[str, ...]) -> set:
@@ -138,11 +136,11 @@ class PiecewiseBackend:
         self.stats.graph_received_ns = time.time_ns()
         start = time.perf_counter()
         with spans.phase_span(spans.SPLIT, region=self.region) as span:
-            self.stats.merged_linears = merge_identical_linears(gm)
-            self.stats.routed_quantizes = route_activation_quantize(gm)
+            merged, routed = merge_identical_linears(gm), route_activation_quantize(gm)
             split_gm, split_parts = self._split(gm)
             names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]
-            span.set_attributes({spans.NUM_PIECES: len(names), spans.NUM_SPLITS: len(split_parts)})
+            span.set_attributes({spans.NUM_PIECES: len(names), spans.NUM_SPLITS: len(split_parts),
+                                 spans.MERGED_LINEARS: merged, spans.ROUTED_QUANTIZES: routed})
         self.stats.timings["split"] = time.perf_counter() - start
         self.progress("split", 0, 0, "", self.region)
         pieces: dict[str, CompiledPiece] = {}
