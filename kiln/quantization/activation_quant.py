@@ -72,14 +72,12 @@ def route_activation_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...]
             continue
         source = _through_views(rows)
         glu = _silu_mul_operands(source)
-        if glu is not None and _same_rows(glu, rows):
-            with gm.graph.inserting_before(node):
-                args = tuple(_as_rows(gm.graph, operand, _shape(rows)[-1]) for operand in glu)
-        elif _opaque(source):
-            args = (rows, None)
-        else:
+        if glu is not None and not _same_rows(glu, rows):
+            glu = None
+        if glu is None and not _opaque(source):
             continue
         with gm.graph.inserting_before(node):
+            args = (rows, None) if glu is None else tuple(_as_rows(gm.graph, g, _shape(rows)[-1]) for g in glu)
             fused = gm.graph.call_function(quantize_kernel, args)
         fused.meta = dict(node.meta)
         node.replace_all_uses_with(fused)
