@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from exec_service.engine.graphs.cuda_graphs import CUDAGraphs
 from exec_service.engine.kv import kv_cache
 from exec_service.engine.step_inputs import StepBuffers
+from kiln import programmatic_launch
 from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.compilation.counters import expect_no_compile
 from kiln.model.causal_lm import build_model, weights_bytes
@@ -152,8 +153,11 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
     p.add_argument("--quantization", default="", choices=["", "fp8"],
                    help="fp8: the decoder's linears in FP8 (the bundle must be compiled with the same)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantization fp8: the head in FP8 too")
+    p.add_argument("--no-kernel-pdl", action="store_true",
+                   help="Kiln's Triton kernels without programmatic dependent launch (what it gives, by difference)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
+    programmatic_launch.ENABLED = not args.no_kernel_pdl
     return args, [int(s) for s in args.batch_sizes.split(",")]
 
 

@@ -170,7 +170,7 @@ def _launch_split(kernel, x, weight, scale, config, block_m, **constexprs) -> to
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **constexprs)
     if split_k > 1:
         reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, scale, out, m, n, out.stride(0), SPLIT_K=split_k,
-                                                          BLOCK=REDUCE_BLOCK)
+                                                          BLOCK=REDUCE_BLOCK, PDL=False)
     return out
 
 

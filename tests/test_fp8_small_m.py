@@ -83,3 +83,44 @@ def test_fp8_mm_takes_the_kernel_for_decode_sized_steps_and_scaled_mm_past_them(
             torch.testing.assert_close(fp8_mm(xq, x_scale, q, scale, torch.bfloat16).float(), want,
                                        atol=1e-2, rtol=1e-2)
     assert calls == [(6144, 1), (6144, SPLIT_M), (6144, SPLIT_M + 1), (6144, MAX_M), (28672, SPLIT_M)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90 or later")
+@pytest.mark.parametrize("m", [1, SPLIT_M])
+def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, monkeypatch):
+    """Llama-3-8B's MLP as the decode graph runs it (quantize, gate/up, SiLU x up quantize, down: split K with its
+    reduce at 1 row), replayed from CUDA graphs captured with and without programmatic dependent launch, each input
+    written just before the replay: a kernel reading its input before the one that writes it has ended would differ.
+    """
+    from kiln import programmatic_launch
+    from kiln.quantization.fp8_small_m import small_m_mm
+    from kiln.quantization.quantize_kernel import quantize_rows_fp8
+
+    torch.manual_seed(0)
+    gate_up, gate_up_scale = quantize_rows(torch.randn(28672, 4096, device="cuda") * 0.02)
+    down, down_scale = quantize_rows(torch.randn(4096, 14336, device="cuda") * 0.02)
+    x = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def mlp():
+        xq, x_scale = quantize_rows_fp8(x)
+        h = small_m_mm(xq, x_scale.reshape(-1), gate_up, gate_up_scale)
+        hq, h_scale = quantize_rows_fp8(h[:, :14336], h[:, 14336:])
+        return small_m_mm(hq, h_scale.reshape(-1), down, down_scale)
+
+    outputs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(programmatic_launch, "ENABLED", pdl)
+        mlp()  # build the kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = mlp()
+        results = []
+        for step in range(20):
+            x.copy_(torch.randn(m, 4096, generator=torch.Generator("cuda").manual_seed(step), device="cuda",
+                                dtype=torch.bfloat16))
+            graph.replay()
+            results.append(out.clone())
+        outputs[pdl] = torch.stack(results)
+    assert outputs[True].abs().sum() > 0
+    assert torch.equal(outputs[False], outputs[True])

@@ -128,6 +128,7 @@ ALLOWED: dict[str, Allowed] = {
     "triton.spill_threshold": _int(0, 1024),
     "triton.codegen_upcast_to_fp32": _bool(),
     "triton.enable_persistent_tma_matmul": _bool(),
+    "triton.enable_pdl": _bool(),  # programmatic dependent launch on sm_90+ (kiln/programmatic_launch.py)
     "triton.tiling_prevents_pointwise_fusion": _bool(),
     "triton.tiling_prevents_reduction_fusion": _bool(),
     # the C++ backend's code generation (its compiler, flags and threads are the operator's)
