@@ -31,11 +31,25 @@ def enabled(device: torch.device) -> bool:
 
 
 @triton.jit
-def wait_then_release(PDL: tl.constexpr):
-    """Wait for the kernel before to end, then let the next one start (nothing without PDL)."""
+def wait(PDL: tl.constexpr):
+    """Wait for the kernel before to end, its writes visible (nothing without PDL)."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """Let the next kernel start (nothing without PDL). A kernel of many programs calls it once its main loop is
+    done: released at its start, the next kernel's programs would take SMs its later programs still need."""
+    if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """``wait`` then ``release``, for a small kernel that the next may overlap whole."""
+    wait(PDL)
+    release(PDL)
 
 
 @triton.jit

@@ -40,7 +40,7 @@ import triton.language as tl
 from kiln import programmatic_launch
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.model.features import MAX_CUDA_HEAD_DIM
-from kiln.programmatic_launch import wait_then_release
+from kiln.programmatic_launch import release, wait, wait_then_release
 
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
@@ -232,7 +232,7 @@ def _decode_split_kernel(
     Writes the split's normalised output and its log2-sum-exp (-inf for an empty split) for the reduce kernel.
     KV_SCALED (an FP8 cache): the head's key scale is folded into the scores' scale, its value scale into the output.
     """
-    wait_then_release(PDL)
+    wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -291,6 +291,7 @@ def _decode_split_kernel(
             DOT_PRECISION=DOT_PRECISION,
         )
 
+    release(PDL)
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if KV_SCALED:

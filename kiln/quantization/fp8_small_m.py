@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln import programmatic_launch
-from kiln.programmatic_launch import prefetch_l2, wait_then_release
+from kiln.programmatic_launch import prefetch_l2, release, wait, wait_then_release
 
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -46,7 +46,7 @@ def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M
     if PDL:
         if prefetch_bytes > 0:
             prefetch_l2(w_ptr + rn * stride_wn + split * per_split, prefetch_bytes, rn < N)
-    wait_then_release(PDL)
+    wait(PDL)
     rk = split * per_split + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
@@ -56,6 +56,7 @@ def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M
         acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.load(x_ptrs, mask=x_mask, other=0.0), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    release(PDL)
     acc *= tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)[None, :]
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K == 1:
