@@ -155,15 +155,9 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
     p.add_argument("--quantize-head", action="store_true", help="with --quantization fp8: the head in FP8 too")
     p.add_argument("--no-kernel-pdl", action="store_true",
                    help="Kiln's Triton kernels without programmatic dependent launch (what it gives, by difference)")
-    p.add_argument("--prefetch-mb", type=int, help="weight MB Kiln's FP8 GEMM prefetches into L2 under the kernel "
-                   "before it (default: kiln.quantization.fp8_small_m.PREFETCH_BYTES)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     programmatic_launch.ENABLED = not args.no_kernel_pdl
-    if args.prefetch_mb is not None and args.quantization:
-        from kiln.quantization import fp8_small_m  # Triton: CUDA only
-
-        fp8_small_m.PREFETCH_BYTES = args.prefetch_mb << 20
     return args, [int(s) for s in args.batch_sizes.split(",")]
 
 

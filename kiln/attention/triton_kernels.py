@@ -37,10 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln import programmatic_launch
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.model.features import MAX_CUDA_HEAD_DIM
-from kiln.programmatic_launch import release, wait, wait_then_release
 
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
@@ -86,11 +84,9 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_SCALED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One program per token: copy its k/v [Hkv, D] into the cache at its slot, unless the slot is < 0. KV_SCALED
     (an FP8 cache): each head's k and v divided by its scale and clamped to the format's range first."""
-    wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -225,14 +221,12 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Attend the query heads of one kv head over one split of one sequence's context (its window's tail of it).
 
     Writes the split's normalised output and its log2-sum-exp (-inf for an empty split) for the reduce kernel.
     KV_SCALED (an FP8 cache): the head's key scale is folded into the scores' scale, its value scale into the output.
     """
-    wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -291,7 +285,6 @@ def _decode_split_kernel(
             DOT_PRECISION=DOT_PRECISION,
         )
 
-    release(PDL)
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if KV_SCALED:
@@ -321,11 +314,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head) into its output row; zeros when the context is empty. Rows
     that are not decodes (no query, or several) are left to the prefill kernel."""
-    wait_then_release(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)
@@ -588,7 +579,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     """Store k/v [T, Hkv, D] at their slots of ``kv_cache``; slots < 0 are padding and left untouched."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = programmatic_launch.enabled(k.device)
     _write_kv_kernel[(k.shape[0],)](
         k,
         v,
@@ -605,8 +595,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_SCALED=kv_scale is not None,
-        PDL=pdl,
-        launch_pdl=pdl,
     )
 
 
@@ -625,7 +613,6 @@ def _decode(
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     qk_scale, cap_scale = _scales(scale, softcap)
-    pdl = programmatic_launch.enabled(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -654,10 +641,8 @@ def _decode(
         SOFTCAP=softcap > 0,
         DOT_PRECISION=_dot_precision(q.dtype),
         KV_SCALED=kv_scale is not None,
-        PDL=pdl,
         num_warps=4,
         num_stages=2,
-        launch_pdl=pdl,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         part_out,
@@ -671,9 +656,7 @@ def _decode(
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_S=MAX_DECODE_SPLITS,  # one kernel for every split count
-        PDL=pdl,
         num_warps=4,
-        launch_pdl=pdl,
     )
 
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln import programmatic_launch
-from kiln.programmatic_launch import prefetch_l2, release, wait, wait_then_release
+from kiln.programmatic_launch import release, wait, wait_then_release
 
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -24,28 +24,22 @@ MAX_M = 128  # rows up to which it takes the products whose weight cuBLASLt's ti
 CUBLAS_TILE_N = 128  # weight rows a cuBLASLt FP8 tile covers at these sizes (nvjet_sm90_qqtst_128x128)
 MAX_SPLIT_K = 8
 REDUCE_BLOCK = 256  # outputs a reduce program sums: a 1-row step of N 4096 still spreads over 16 programs
-# Weight bytes the programs of one product prefetch into L2 together while the kernel before them runs: about what
-# the memory streams in the few µs of a norm or quantize kernel.
-PREFETCH_BYTES = 16 << 20
 
 
 # M (the step's tokens) is not specialised on (Triton would build a variant for 1, for multiples of 16 and for the
 # rest): one build per layer shape and power-of-two BLOCK_M, before ready.
 @triton.jit(do_not_specialize=["M"])
 def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
-                    stride_om, prefetch_bytes, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """out.T[N, M] = w[N, K] @ x.T[K, M] over this program's 1/SPLIT_K of K (K a multiple of SPLIT_K * BLOCK_K), both
     operands FP8, times the token scales; with SPLIT_K 1 times the row scales too and stored as bf16, else float32
-    partials [SPLIT_K, M, N] for reduce_kernel. With PDL, while the kernel before still runs, the first
-    ``prefetch_bytes`` of each of its weight rows' share of K go to L2 (the weight is no earlier kernel's output)."""
+    partials [SPLIT_K, M, N] for reduce_kernel. With PDL it starts while the kernel before ends, and lets the next
+    one start once its K loop is done."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     per_split = K // SPLIT_K
-    if PDL:
-        if prefetch_bytes > 0:
-            prefetch_l2(w_ptr + rn * stride_wn + split * per_split, prefetch_bytes, rn < N)
     wait(PDL)
     rk = split * per_split + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
@@ -140,15 +134,9 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     pdl = programmatic_launch.enabled(q.device)
     _swap_ab_kernel[(triton.cdiv(n, block_n), splits)](
         q, scale, weight, weight_scale, out, part, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
-        prefetch_row_bytes(n, k, splits), BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
         PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
     if splits > 1:
         reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, weight_scale, out, m, n, out.stride(0), SPLIT_K=splits,
                                                           BLOCK=REDUCE_BLOCK, PDL=pdl, launch_pdl=pdl)
     return out
-
-
-def prefetch_row_bytes(n: int, k: int, splits: int) -> int:
-    """Bytes of each weight row's share of K that its program prefetches: PREFETCH_BYTES over the n x splits
-    shares, whole 16-byte units (the bulk prefetch's), at most the share."""
-    return min(k // splits, PREFETCH_BYTES // (n * splits)) // 16 * 16

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln import programmatic_launch
-from kiln.programmatic_launch import wait_then_release
 from kiln.quantization.activation_quant import FP8, MIN_SCALE
 
 FP8_MAX = tl.constexpr(448.0)
@@ -40,8 +38,7 @@ def _activation(x_row, up_row, cols, width, GLU: tl.constexpr):
 
 @triton.jit(do_not_specialize=["width", "stride_x", "stride_up", "stride_q"])
 def _quantize_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, width, stride_x, stride_up, stride_q, min_scale,
-                     GLU: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+                     GLU: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     up_row = up_ptr + row * stride_up
@@ -89,8 +86,6 @@ def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None,
         config = _config(m, width)
     block, one_pass, num_warps = config
     other = x if up is None else up
-    pdl = programmatic_launch.enabled(x.device)
     _quantize_kernel[(m,)](x, other, q, scale, width, x.stride(0), other.stride(0), q.stride(0), MIN_SCALE,
-                           GLU=up is not None, BLOCK=block, ONE_PASS=one_pass, PDL=pdl, num_warps=num_warps,
-                           launch_pdl=pdl)
+                           GLU=up is not None, BLOCK=block, ONE_PASS=one_pass, num_warps=num_warps)
     return q, scale
