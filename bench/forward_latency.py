@@ -154,7 +154,7 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
                    help="fp8: the decoder's linears in FP8 (the bundle must be compiled with the same)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantization fp8: the head in FP8 too")
     p.add_argument("--no-kernel-pdl", action="store_true",
-                   help="Kiln's Triton kernels without programmatic dependent launch (what it gives, by difference)")
+                   help="Kiln's FP8 GEMM without programmatic dependent launch (what it gives, by difference)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     programmatic_launch.ENABLED = not args.no_kernel_pdl
