@@ -44,10 +44,3 @@ def release(PDL: tl.constexpr):
     done: released at its start, the next kernel's programs would take SMs its later programs still need."""
     if PDL:
         gdc_launch_dependents()
-
-
-@triton.jit
-def wait_then_release(PDL: tl.constexpr):
-    """``wait`` then ``release``, for a small kernel that the next may overlap whole."""
-    wait(PDL)
-    release(PDL)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln import programmatic_launch
-from kiln.programmatic_launch import release, wait, wait_then_release
+from kiln.programmatic_launch import release, wait
 
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -63,8 +63,10 @@ def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M
 @triton.jit(do_not_specialize=["M"])
 def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
                   PDL: tl.constexpr):
-    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n, as bf16."""
-    wait_then_release(PDL)
+    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n, as bf16. Small: with PDL the
+    next kernel may start as soon as it has waited for the GEMM."""
+    wait(PDL)
+    release(PDL)
     m = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
