@@ -63,7 +63,8 @@ def parts(q, k, v, kv, meta: AttentionMetadata, layer: torch.Tensor) -> dict:
         "torch.ops.kiln.attention": lambda: torch.ops.kiln.attention(q, k, v, layer, SCALE, 0, 0.0),
         "paged_attention, called directly": lambda: triton_kernels.paged_attention(q, k, v, kv, meta, SCALE),
         "write_kv (one launch)": lambda: triton_kernels.write_kv(k, v, kv, meta.slot_mapping),
-        "prefill kernel (one launch)": lambda: triton_kernels._prefill(q, kv, meta, SCALE, 0, 0.0, out, with_decodes),
+        "prefill kernel (one launch)": lambda: triton_kernels._prefill(q, k, v, kv, meta, SCALE, 0, 0.0, out,
+                                                                             with_decodes),
         "torch.zeros of the output": lambda: torch.zeros(q.shape, dtype=q.dtype, device=q.device),
     }
     if with_decodes:

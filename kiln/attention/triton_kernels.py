@@ -53,6 +53,8 @@ DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
 # H200 a 2,048-token bf16 prompt took 174.5 µs a layer against 227.2 with 128, 8 x 512 tokens 123.6 against 170.1,
 # 4 x 128 the same (the flat grid gives each row a program per 64 tokens; BENCHMARKS.md, the prefill kernel's tile).
 PREFILL_CONFIG = (64, 32, 4, 2)
+PREFILL_STEP_KV = True  # experiment knob
+PREFILL_HEAVY_FIRST = True  # experiment knob
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
 # would JIT a new variant for each divisibility class it falls in (a 0.7 s stall in a serving step on an H200).
 # Likewise every kernel gets the step's whole tables and picks its rows by their query length, never pointers offset
@@ -104,6 +106,51 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _online_softmax(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k,
+    v,
+    pos,
+    valid,
+    q_pos,
+    qk_scale,
+    cap_scale,
+    window,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of q's rows over the context tokens at ``pos``, whose keys and values are k, v.
+
+    MASKED drops the tokens not ``valid`` and, with CAUSAL, those after each row's position ``q_pos``; with WINDOWED
+    also those ``window`` or more before it. Scores are ``dot * qk_scale`` in log2 units; with SOFTCAP they are
+    ``cap_scale * tanh(dot * qk_scale)`` (the caller folds the cap and log2(e) into the two scales).
+    """
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        scores = cap_scale * (2.0 * tl.sigmoid(2.0 * scores) - 1.0)  # tanh
+    if MASKED:
+        keep = valid[None, :]
+        if CAUSAL:
+            keep = keep & (pos[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
+        scores = tl.where(keep, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -133,13 +180,11 @@ def _attend_tile(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step of q's rows over context tokens n0 .. n0 + BLOCK_N, read through the block table.
+    """``_online_softmax`` over cached context tokens n0 .. n0 + BLOCK_N, read through the block table.
 
-    MASKED drops tokens at or past ``end`` and, with CAUSAL, those after each row's position ``q_pos``; with
-    WINDOWED also those ``window`` or more before it, and it loads none that is outside every row's window. An
-    unmasked tile must lie wholly before ``end``, before every row's position and inside every row's window.
-    Scores are ``dot * qk_scale`` in log2 units; with SOFTCAP they are ``cap_scale * tanh(dot * qk_scale)`` (the
-    caller folds the cap and log2(e) into the two scales).
+    MASKED drops tokens at or past ``end``, and the rest as ``_online_softmax`` says; with WINDOWED it loads none
+    that is outside every row's window. An unmasked tile must lie wholly before ``end``, before every row's position
+    and inside every row's window.
     """
     pos = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
@@ -162,23 +207,60 @@ def _attend_tile(
     else:
         k = tl.load(k_cache_ptr + kv_offs)
         v = tl.load(v_cache_ptr + kv_offs)
-    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-    if SOFTCAP:
-        scores = cap_scale * (2.0 * tl.sigmoid(2.0 * scores) - 1.0)  # tanh
+    return _online_softmax(q, m_i, l_i, acc, k, v, pos, valid, q_pos, qk_scale, cap_scale, window, MASKED, CAUSAL,
+                           WINDOWED, SOFTCAP, DOT_PRECISION)
+
+
+@triton.jit
+def _attend_step_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_ptr,
+    v_ptr,
+    q_start,
+    prefix,
+    j0,
+    end,
+    q_pos,
+    kv_head,
+    qk_scale,
+    cap_scale,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``_online_softmax`` (causal) over the step's own tokens j0 .. j0 + BLOCK_N of the row that starts at token
+    ``q_start``, read from the step's k/v instead of the cache: positions ``prefix + j``, masked at or past ``end``."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    pos = prefix + j
+    valid = pos < end
+    tokens = (q_start + j).to(tl.int64)
+    k_offs = tokens[:, None] * stride_kt + kv_head * stride_kh + dims[None, :] * stride_kd
+    v_offs = tokens[:, None] * stride_vt + kv_head * stride_vh + dims[None, :] * stride_vd
     if MASKED:
-        keep = valid[None, :]
-        if CAUSAL:
-            keep = keep & (pos[None, :] <= q_pos[:, None])
-        if WINDOWED:
-            keep = keep & (pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(keep, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
-    p = tl.exp2(scores - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+        kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptr + k_offs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptr + v_offs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptr + k_offs)
+        v = tl.load(v_ptr + v_offs)
+    return _online_softmax(q, m_i, l_i, acc, k, v, pos, valid, q_pos, qk_scale, cap_scale, 0, MASKED, True, False,
+                           SOFTCAP, DOT_PRECISION)
 
 
 # Arguments that vary with the batch size (the split count and the strides it sets) are not specialised on: a
@@ -344,6 +426,8 @@ def _decode_reduce_kernel(
 @triton.jit(do_not_specialize=["stride_bt", "window", "num_rows"])
 def _prefill_kernel(
     q_ptr,
+    k_ptr,
+    v_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
@@ -359,6 +443,12 @@ def _prefill_kernel(
     stride_qt,
     stride_qh,
     stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -376,21 +466,30 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
+    STEP_KV: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
-    """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's cached context;
-    with SKIP_DECODES, not of the sequences with one query token, which the decode kernels take.
+    """Causal attention of BLOCK_M query tokens of one sequence and one head over the sequence's context; with
+    SKIP_DECODES, not of the sequences with one query token, which the decode kernels take.
 
-    The context splits into three runs of tiles: those a window edge crosses for some row (masked by window and
-    causality), those inside every row's window and before every row (unmasked), and the causal diagonal (masked).
-    Without a window the first run is empty. KV_SCALED as in the decode kernel.
+    Without STEP_KV the whole context is read from the cache, in three runs of tiles: those a window edge crosses
+    for some row (masked by window and causality), those inside every row's window and before every row
+    (unmasked), and the causal diagonal (masked); without a window the first run is empty. With STEP_KV (no window,
+    a cache in the model's dtype) only the cached prefix is read from the cache, and the step's own tokens from
+    its k/v, where they lie in token order: no block table between them and the kernel. KV_SCALED as in the
+    decode kernel.
 
-    Grid: (query blocks, heads), the blocks of all rows in one run (vLLM's unified attention): row i's blocks are
+    Grid: (heads, query blocks), the blocks of all rows in one run (vLLM's unified attention): row i's blocks are
     numbered from ``query_start_loc[i] // BLOCK_M + i``, which leaves room for each row's ceil(q_len / BLOCK_M)
     blocks, so ``tokens // BLOCK_M + rows`` programs cover every row, and a program finds its row by a binary search
-    of the query starts. Programs past a row's queries (a row's unused numbers, padding rows) return at once.
+    of the query starts. Programs past a row's queries (a row's unused numbers, padding rows) return at once. With
+    HEAVY_FIRST the blocks are taken from the last: a row's later blocks attend more context, and starting them
+    first leaves the short ones to fill the last wave.
     """
-    block = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    block = tl.program_id(1)
+    if HEAVY_FIRST:
+        block = tl.num_programs(1) - 1 - block
     lo = 0
     hi = num_rows - 1
     while lo < hi:  # the last row whose first block number is at most this program's
@@ -406,7 +505,7 @@ def _prefill_kernel(
     if m_block * BLOCK_M >= q_len or (SKIP_DECODES and q_len == 1):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    prefix = seq_len - q_len  # context tokens before this step's queries
+    prefix = tl.maximum(seq_len - q_len, 0)  # context tokens before this step's queries (a padding row: none)
     kv_head = head // GROUP
     if KV_SCALED:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
@@ -430,101 +529,59 @@ def _prefill_kernel(
     first_pos = prefix + m_block * BLOCK_M  # the block's first and last rows
     last_pos = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len) - 1
     end = tl.minimum(seq_len, last_pos + 1)
-    # Tiles wholly at or before the first row's position need no causal mask.
-    unmasked_end = tl.maximum(first_pos + 1, 0) // BLOCK_N * BLOCK_N
-    # The first tile any row's window reaches, and the first from which every tile is in every row's window.
-    window_start = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
-    window_full = tl.where(window > 0, tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, 0)
-    for n0 in range(window_start, tl.minimum(window_full, end), BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_cache_ptr,
-            v_cache_ptr,
-            table,
-            n0,
-            end,
-            q_pos,
-            kv_head,
-            qk_scale,
-            cap_scale,
-            window,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            stride_cd,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_SIZE,
-            BLOCK_N,
-            MASKED=True,
-            CAUSAL=True,
-            WINDOWED=True,
-            SOFTCAP=SOFTCAP,
-            DOT_PRECISION=DOT_PRECISION,
-        )
-    for n0 in range(window_full, unmasked_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_cache_ptr,
-            v_cache_ptr,
-            table,
-            n0,
-            end,
-            q_pos,
-            kv_head,
-            qk_scale,
-            cap_scale,
-            window,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            stride_cd,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_SIZE,
-            BLOCK_N,
-            MASKED=False,
-            CAUSAL=True,
-            WINDOWED=False,
-            SOFTCAP=SOFTCAP,
-            DOT_PRECISION=DOT_PRECISION,
-        )
-    for n0 in range(tl.maximum(window_full, unmasked_end), end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            k_cache_ptr,
-            v_cache_ptr,
-            table,
-            n0,
-            end,
-            q_pos,
-            kv_head,
-            qk_scale,
-            cap_scale,
-            window,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            stride_cd,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_SIZE,
-            BLOCK_N,
-            MASKED=True,
-            CAUSAL=True,
-            WINDOWED=False,
-            SOFTCAP=SOFTCAP,
-            DOT_PRECISION=DOT_PRECISION,
-        )
+    if STEP_KV:
+        # The cached prefix: before every row, so masked only past its end, in its last, partial tile.
+        prefix_full = prefix // BLOCK_N * BLOCK_N
+        for n0 in range(0, prefix_full, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, n0, prefix, q_pos, kv_head, qk_scale, cap_scale,
+                window, stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                MASKED=False, CAUSAL=False, WINDOWED=False, SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            )
+        for n0 in range(prefix_full, prefix, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, n0, prefix, q_pos, kv_head, qk_scale, cap_scale,
+                window, stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                MASKED=True, CAUSAL=False, WINDOWED=False, SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            )
+        # The step's own tokens: those wholly at or before the block's first row unmasked, then the diagonal.
+        own_unmasked = (m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+        for j0 in range(0, own_unmasked, BLOCK_N):
+            m_i, l_i, acc = _attend_step_tile(
+                q, m_i, l_i, acc, k_ptr, v_ptr, q_start, prefix, j0, end, q_pos, kv_head, qk_scale, cap_scale,
+                stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D, BLOCK_N,
+                MASKED=False, SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            )
+        for j0 in range(own_unmasked, end - prefix, BLOCK_N):
+            m_i, l_i, acc = _attend_step_tile(
+                q, m_i, l_i, acc, k_ptr, v_ptr, q_start, prefix, j0, end, q_pos, kv_head, qk_scale, cap_scale,
+                stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, HEAD_DIM, BLOCK_D, BLOCK_N,
+                MASKED=True, SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            )
+    else:
+        # Tiles wholly at or before the first row's position need no causal mask.
+        unmasked_end = tl.maximum(first_pos + 1, 0) // BLOCK_N * BLOCK_N
+        # The first tile any row's window reaches, and the first from which every tile is in every row's window.
+        window_start = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
+        window_full = tl.where(window > 0, tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, 0)
+        for n0 in range(window_start, tl.minimum(window_full, end), BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, n0, end, q_pos, kv_head, qk_scale, cap_scale,
+                window, stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                MASKED=True, CAUSAL=True, WINDOWED=True, SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            )
+        for n0 in range(window_full, unmasked_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, n0, end, q_pos, kv_head, qk_scale, cap_scale,
+                window, stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                MASKED=False, CAUSAL=True, WINDOWED=False, SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            )
+        for n0 in range(tl.maximum(window_full, unmasked_end), end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, n0, end, q_pos, kv_head, qk_scale, cap_scale,
+                window, stride_cb, stride_cs, stride_ch, stride_cd, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                MASKED=True, CAUSAL=True, WINDOWED=False, SOFTCAP=SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_SCALED:
@@ -661,10 +718,12 @@ def _decode(
 
 
 def _prefill(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int, softcap: float,
-    out: torch.Tensor, skip_decodes: bool, kv_scale: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int, softcap: float, out: torch.Tensor, skip_decodes: bool, kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Every sequence of ``meta`` but, with ``skip_decodes``, those of one query token (the decode kernels')."""
+    """Every sequence of ``meta`` but, with ``skip_decodes``, those of one query token (the decode kernels').
+
+    The step's own tokens are read from k/v where the cache holds them as they are (no window, no FP8 scale)."""
     batch = meta.seq_lens.shape[0]
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
@@ -673,10 +732,12 @@ def _prefill(
     block_m, block_n, num_warps, num_stages = PREFILL_CONFIG
     if block_d > 128:  # keep the fp32 accumulator of a wide head (Gemma's 256) in registers
         block_m //= 2
-    grid = (q.shape[0] // block_m + batch, num_heads)
+    grid = (num_heads, q.shape[0] // block_m + batch)
     qk_scale, cap_scale = _scales(scale, softcap)
     _prefill_kernel[grid](
         q,
+        k,
+        v,
         k_cache,
         v_cache,
         meta.block_tables,
@@ -689,6 +750,8 @@ def _prefill(
         window,
         batch,
         *q.stride(),
+        *k.stride(),
+        *v.stride(),
         *k_cache.stride(),
         meta.block_tables.stride(0),
         *out.stride()[:2],
@@ -702,6 +765,8 @@ def _prefill(
         DOT_PRECISION=_dot_precision(q.dtype),
         KV_SCALED=kv_scale is not None,
         SKIP_DECODES=skip_decodes,
+        STEP_KV=PREFILL_STEP_KV and window == 0 and kv_scale is None and k_cache.dtype == k.dtype,
+        HEAVY_FIRST=PREFILL_HEAVY_FIRST,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -729,5 +794,5 @@ def paged_attention(
         with_decodes = meta.num_decodes > 0 or meta.any_rows
         if with_decodes:
             _decode(q, kv_cache, meta, scale, window, softcap, out, kv_scale)
-        _prefill(q, kv_cache, meta, scale, window, softcap, out, with_decodes, kv_scale)
+        _prefill(q, k, v, kv_cache, meta, scale, window, softcap, out, with_decodes, kv_scale)
     return out
