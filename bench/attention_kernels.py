@@ -3,7 +3,8 @@
 Decode is memory-bound, so it is reported as achieved GB/s of KV cache read against the device's copy bandwidth;
 prefill as TFLOP/s of causal attention. Run from the repository root: ``python -m bench.attention_kernels``.
 ``--prefill-tiles 128,32,8,2:64,32,4,2`` times the prefill kernel at each tile (query tokens a program, context
-tokens a step, warps, stages) instead, each output checked against the first tile's.
+tokens a step, warps, stages) and each way of reading the step's own tokens and ordering its programs instead, each
+output checked against the first run's.
 """
 
 import argparse
@@ -87,24 +88,35 @@ def bench_prefill(batch: int, length: int) -> None:
     print(f"| prefill | {batch} | {length} | | {ms * 1e3:.1f} µs | {flops / ms / 1e9:.1f} TFLOP/s | | | |")
 
 
+# Prefill steps the sweep times: fresh prompts, a chunk over a cached prefix, and decodes beside a long chunk.
+SWEEP_CASES = {"1 x 2,048": ([2048], [2048]), "8 x 512": ([512] * 8, [512] * 8), "4 x 128": ([128] * 4, [128] * 4),
+               "1,024 new over 1,024 cached": ([2048], [1024]),
+               "16 decodes + 2,032": ([1024] * 16 + [2032], [1] * 16 + [2032])}
+
+
 def sweep_prefill_tiles(tiles: list[tuple[int, ...]]) -> None:
-    """Each tile's time at one 2,048-token prompt, 4 x 128 and 8 x 512 tokens, and its largest difference from the
-    first tile's output."""
-    cases = [(1, 2048), (4, 128), (8, 512)]
-    steps = {case: make_step([case[1]] * case[0], [case[1]] * case[0]) for case in cases}
-    print("| tile | " + " | ".join(f"{b} x {n} µs (TFLOP/s)" for b, n in cases) + " | largest difference |")
-    print("|---|" + "---|" * (len(cases) + 1))
+    """Each tile's time at each of SWEEP_CASES, with the step's own keys and values read from the cache or from its
+    k/v (``PREFILL_STEP_KV``) and the query blocks taken in order or heaviest first (``PREFILL_HEAVY_FIRST``); and
+    each output's largest difference from the first run's."""
+    steps = {name: make_step(*case) for name, case in SWEEP_CASES.items()}
+    flops = {name: sum(4 * NUM_HEADS * HEAD_DIM * q * (s - q + (q + 1) / 2) for s, q in zip(*case, strict=True))
+             for name, case in SWEEP_CASES.items()}
+    print("| tile | step KV from k/v | heaviest first | " + " | ".join(f"{name} µs (TFLOP/s)" for name in steps)
+          + " | largest difference |")
+    print("|---|---|---|" + "---|" * (len(steps) + 1))
     first = {}
     for tile in tiles:
-        triton_kernels.PREFILL_CONFIG = tile
-        cells, diff = [], 0.0
-        for case, args in steps.items():
-            out = paged_attention(*args).float()
-            diff = max(diff, (out - first.setdefault(case, out)).abs().max().item())
-            ms = do_bench(lambda args=args: paged_attention(*args), return_mode="median")
-            flops = 4 * case[0] * NUM_HEADS * HEAD_DIM * case[1] * (case[1] + 1) // 2
-            cells.append(f"{ms * 1e3:.1f} ({flops / ms / 1e9:.0f})")
-        print(f"| {tile} | " + " | ".join(cells) + f" | {diff:.4f} |", flush=True)
+        for step_kv, heavy_first in [(False, False), (False, True), (True, False), (True, True)]:
+            triton_kernels.PREFILL_CONFIG = tile
+            triton_kernels.PREFILL_STEP_KV = step_kv
+            triton_kernels.PREFILL_HEAVY_FIRST = heavy_first
+            cells, diff = [], 0.0
+            for name, args in steps.items():
+                out = paged_attention(*args).float()
+                diff = max(diff, (out - first.setdefault(name, out)).abs().max().item())
+                ms = do_bench(lambda args=args: paged_attention(*args), return_mode="median")
+                cells.append(f"{ms * 1e3:.1f} ({flops[name] / ms / 1e9:.0f})")
+            print(f"| {tile} | {step_kv} | {heavy_first} | " + " | ".join(cells) + f" | {diff:.4f} |", flush=True)
 
 
 def main() -> None:

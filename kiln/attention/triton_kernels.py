@@ -53,8 +53,11 @@ DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
 # H200 a 2,048-token bf16 prompt took 174.5 µs a layer against 227.2 with 128, 8 x 512 tokens 123.6 against 170.1,
 # 4 x 128 the same (the flat grid gives each row a program per 64 tokens; BENCHMARKS.md, the prefill kernel's tile).
 PREFILL_CONFIG = (64, 32, 4, 2)
-PREFILL_STEP_KV = True  # experiment knob
-PREFILL_HEAVY_FIRST = True  # experiment knob
+# How the prefill kernel reads a step's own tokens (from the step's k/v, or back from the cache it just wrote) and in
+# which order it takes the query blocks (the last, longest, first): settings bench/attention_kernels.py
+# --prefill-tiles times each way of.
+PREFILL_STEP_KV = True
+PREFILL_HEAVY_FIRST = True
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
 # would JIT a new variant for each divisibility class it falls in (a 0.7 s stall in a serving step on an H200).
 # Likewise every kernel gets the step's whole tables and picks its rows by their query length, never pointers offset
