@@ -445,6 +445,23 @@ def test_small_steps_softcap(step, window):
     check(make_case(seq_lens, query_lens, 8, 4, 64, 16, torch.float32, window=window, softcap=1.5))
 
 
+@pytest.mark.parametrize("step_kv, heavy_first", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", SMALL_STEPS)
+def test_prefill_reads_a_steps_own_tokens_and_orders_its_blocks_either_way(monkeypatch, step, dtype, step_kv,
+                                                                           heavy_first):
+    """The prefill kernel's settings (the step's own keys and values from its k/v or from the cache, query blocks in
+    order or the longest first) give the same attention, with and without a window or a cap (where the step's k/v
+    are not read)."""
+    from kiln.attention import triton_kernels as attention_triton
+
+    monkeypatch.setattr(attention_triton, "PREFILL_STEP_KV", step_kv)
+    monkeypatch.setattr(attention_triton, "PREFILL_HEAVY_FIRST", heavy_first)
+    seq_lens, query_lens = SMALL_STEPS[step]
+    for window, softcap in [(0, 0.0), (0, 1.5), (16, 0.0)]:
+        check(make_case(seq_lens, query_lens, 8, 2, 64, 16, dtype, padding_rows=2, window=window, softcap=softcap))
+
+
 @pytest.mark.parametrize("shape", [(32, 8, 128, 16, torch.bfloat16), (8, 4, 256, 16, torch.bfloat16),
                                    (16, 8, 96, 32, torch.float16)], ids=str)
 @pytest.mark.parametrize("window", [0, 100, 1024])
