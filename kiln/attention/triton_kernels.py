@@ -54,10 +54,11 @@ DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
 # 4 x 128 the same (the flat grid gives each row a program per 64 tokens; BENCHMARKS.md, the prefill kernel's tile).
 PREFILL_CONFIG = (64, 32, 4, 2)
 # How the prefill kernel reads a step's own tokens (from the step's k/v, or back from the cache it just wrote) and in
-# which order it takes the query blocks (the last, longest, first): settings bench/attention_kernels.py
-# --prefill-tiles times each way of.
-PREFILL_STEP_KV = True
-PREFILL_HEAVY_FIRST = True
+# which order it takes the query blocks (the last, longest, first): bench/attention_kernels.py --prefill-tiles times
+# each way. Off, the kernel is the one GPU-tested and timed until 2026-12-05; on, each is tested for its output
+# (tests/test_attention_triton.py) but not yet timed on a GPU.
+PREFILL_STEP_KV = False
+PREFILL_HEAVY_FIRST = False
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
 # would JIT a new variant for each divisibility class it falls in (a 0.7 s stall in a serving step on an H200).
 # Likewise every kernel gets the step's whole tables and picks its rows by their query length, never pointers offset
@@ -482,17 +483,19 @@ def _prefill_kernel(
     its k/v, where they lie in token order: no block table between them and the kernel. KV_SCALED as in the
     decode kernel.
 
-    Grid: (heads, query blocks), the blocks of all rows in one run (vLLM's unified attention): row i's blocks are
+    Grid: (query blocks, heads), the blocks of all rows in one run (vLLM's unified attention): row i's blocks are
     numbered from ``query_start_loc[i] // BLOCK_M + i``, which leaves room for each row's ceil(q_len / BLOCK_M)
     blocks, so ``tokens // BLOCK_M + rows`` programs cover every row, and a program finds its row by a binary search
     of the query starts. Programs past a row's queries (a row's unused numbers, padding rows) return at once. With
-    HEAVY_FIRST the blocks are taken from the last: a row's later blocks attend more context, and starting them
-    first leaves the short ones to fill the last wave.
+    HEAVY_FIRST the grid is (heads, query blocks) and the blocks are taken from the last: a row's later blocks
+    attend more context, and starting them first, every head's, leaves the short ones to fill the last wave.
     """
-    head = tl.program_id(0)
-    block = tl.program_id(1)
     if HEAVY_FIRST:
-        block = tl.num_programs(1) - 1 - block
+        head = tl.program_id(0)
+        block = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        block = tl.program_id(0)
+        head = tl.program_id(1)
     lo = 0
     hi = num_rows - 1
     while lo < hi:  # the last row whose first block number is at most this program's
@@ -735,7 +738,8 @@ def _prefill(
     block_m, block_n, num_warps, num_stages = PREFILL_CONFIG
     if block_d > 128:  # keep the fp32 accumulator of a wide head (Gemma's 256) in registers
         block_m //= 2
-    grid = (num_heads, q.shape[0] // block_m + batch)
+    blocks = q.shape[0] // block_m + batch
+    grid = (num_heads, blocks) if PREFILL_HEAVY_FIRST else (blocks, num_heads)
     qk_scale, cap_scale = _scales(scale, softcap)
     _prefill_kernel[grid](
         q,
