@@ -9,8 +9,9 @@ Same semantics as ``kiln.attention.reference.paged_attention``, in three kernels
   the kernels read sequence lengths and block tables on the device, so a decode step captured in a CUDA graph
   stays correct when it is replayed with other lengths and tables.
 - Every other step (prefill, mixed prefill and decode, prefill over a cached prefix) runs one varlen
-  flash-attention launch over the paged cache: the new tokens are written first, so a sequence's whole context
-  is read from the cache, and queries sit at the end of it (causal). In a mixed step the sequences with one query
+  flash-attention launch: the new tokens are written first, and each sequence's queries sit at the end of its
+  context (causal); the cached prefix is read through the block table, the step's own tokens from its k/v where
+  the cache holds them as they are (else from the cache too). In a mixed step the sequences with one query
   token go to the decode kernels instead: every kernel is launched over all the step's rows and takes the rows
   whose query length is its own, read on the device. So a step's grid depends on its row count and its longest
   query only, and a step captured at a token count (``AttentionMetadata.any_rows``: the longest query bounded by
@@ -49,16 +50,17 @@ DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
 # Decode arguments that follow the split count, so the batch size: the log-sum-exp strides (the partial outputs'
 # strides are multiples of head_dim, divisible by 16 whatever the count).
 DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
-# Prefill tile: (query tokens per program, context tokens per step, num_warps, num_stages). 64 query tokens: on the
-# H200 a 2,048-token bf16 prompt took 174.5 µs a layer against 227.2 with 128, 8 x 512 tokens 123.6 against 170.1,
-# 4 x 128 the same (the flat grid gives each row a program per 64 tokens; BENCHMARKS.md, the prefill kernel's tile).
-PREFILL_CONFIG = (64, 32, 4, 2)
-# How the prefill kernel reads a step's own tokens (from the step's k/v, or back from the cache it just wrote) and in
-# which order it takes the query blocks (the last, longest, first): bench/attention_kernels.py --prefill-tiles times
-# each way. Off, the kernel is the one GPU-tested and timed until 2026-12-05; on, each is tested for its output
-# (tests/test_attention_triton.py) but not yet timed on a GPU.
-PREFILL_STEP_KV = False
-PREFILL_HEAVY_FIRST = False
+# Prefill tile: (query tokens per program, context tokens per step, num_warps, num_stages), how the kernel reads a
+# step's own tokens (from the step's k/v, or back from the cache it just wrote) and whether it takes the query blocks
+# the longest first. 64 query tokens: the flat grid gives each row a program per 64 tokens (on the H200 a 2,048-token
+# bf16 prompt took 174.5 µs a layer against 227.2 with 128). With the step's k/v read and the longest blocks first, a
+# 64-token context step of three stages: on an H100, 1 x 2,048 tokens 125.2 µs against 176.5 for (64, 32, 4, 2) read
+# from the cache in order, 1,024 new over 1,024 cached 99.7 against 145.8, 16 decodes + 2,032 194.8 against 240.3,
+# 8 x 512 127.9 against 128.6 (BENCHMARKS.md, the prefill kernel's reads and order; bench/attention_kernels.py
+# --prefill-tiles times each setting).
+PREFILL_CONFIG = (64, 64, 4, 3)
+PREFILL_STEP_KV = True
+PREFILL_HEAVY_FIRST = True
 # Kernels take the block-table width as stride_bt with do_not_specialize: it changes from step to step, and Triton
 # would JIT a new variant for each divisibility class it falls in (a 0.7 s stall in a serving step on an H200).
 # Likewise every kernel gets the step's whole tables and picks its rows by their query length, never pointers offset
@@ -723,6 +725,25 @@ def _decode(
     )
 
 
+@functools.cache
+def _max_shared_bytes(device: torch.device) -> int:
+    """The shared memory a program may use on ``device``, as Triton checks a build against it."""
+    return triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
+
+
+def _prefill_tile(block_d: int, itemsize: int, device: torch.device) -> tuple[int, int, int, int]:
+    """PREFILL_CONFIG, with half the query tokens for a wide head (Gemma's 256: its fp32 accumulator kept in
+    registers), and back to 32 context tokens in two stages where its K/V stages and q tile would not fit the device's
+    shared memory (an Ada's 99 KB, against a Hopper's 227)."""
+    block_m, block_n, num_warps, num_stages = PREFILL_CONFIG
+    if block_d > 128:
+        block_m //= 2
+    shared = (2 * num_stages * block_n + block_m) * block_d * itemsize  # K and V tiles a stage, and q's
+    if device.type == "cuda" and shared > _max_shared_bytes(device):  # (TRITON_INTERPRET=1: CPU tensors, no limit)
+        block_n, num_stages = 32, 2
+    return block_m, block_n, num_warps, num_stages
+
+
 def _prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     window: int, softcap: float, out: torch.Tensor, skip_decodes: bool, kv_scale: torch.Tensor | None = None,
@@ -735,9 +756,7 @@ def _prefill(
     block_size, num_kv_heads = kv_cache.shape[2:4]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_d = _block_d(head_dim)
-    block_m, block_n, num_warps, num_stages = PREFILL_CONFIG
-    if block_d > 128:  # keep the fp32 accumulator of a wide head (Gemma's 256) in registers
-        block_m //= 2
+    block_m, block_n, num_warps, num_stages = _prefill_tile(block_d, q.element_size(), q.device)
     blocks = q.shape[0] // block_m + batch
     grid = (num_heads, blocks) if PREFILL_HEAVY_FIRST else (blocks, num_heads)
     qk_scale, cap_scale = _scales(scale, softcap)
