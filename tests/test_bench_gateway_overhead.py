@@ -25,7 +25,8 @@ def test_three_paths_each_time_every_request(traced):
         assert all(float(cell) > 0 for cell in line.strip("|").split("|")[1:]), line
     summary = re.search(r"the gateway adds (-?[\d.]+) ms to TTFT p50, of which an HTTP hop's floor is ([\d.]+) and "
                         r"the gateway's own (-?[\d.]+); its process's CPU ([\d.]+) ms per request", proc.stdout)
-    assert summary is not None and float(summary[2]) > 0 and float(summary[4]) > 0, proc.stdout
+    # The process's CPU time comes from /proc in clock ticks (10 ms): a few short requests may add up to none.
+    assert summary is not None and float(summary[2]) > 0 and float(summary[4]) >= 0, proc.stdout
     spans = re.search(r"the gateway traced \((\d+) spans received\)", proc.stdout)
     if traced:  # each of the 7 requests a server span and a Generate client span (and the readiness probe's)
         assert spans is not None and int(spans[1]) >= 14, proc.stdout
