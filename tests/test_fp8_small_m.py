@@ -52,7 +52,7 @@ def test_the_kernel_takes_decode_sized_products_its_pipeline_fits(device_name, s
     of 128 never; on an Ada's 99 KB of shared memory nothing past 32 rows (the 64-row pipeline needs 128 KB)."""
     from kiln.quantization import fp8_small_m
 
-    monkeypatch.setattr(fp8_small_m, "_max_shared_bytes", lambda device: shared_bytes)
+    monkeypatch.setattr(fp8_small_m, "max_shared_bytes", lambda device: shared_bytes)
     monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: sms)
     cuda = torch.device("cuda")
     taken = {(m, n, k) for m in (1, SPLIT_M, SPLIT_M + 1, 64, MAX_M, MAX_M + 1) for n, k in

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.model.features import MAX_CUDA_HEAD_DIM
+from kiln.shared_memory import max_shared_bytes
 
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
@@ -725,12 +726,6 @@ def _decode(
     )
 
 
-@functools.cache
-def _max_shared_bytes(device: torch.device) -> int:
-    """The shared memory a program may use on ``device``, as Triton checks a build against it."""
-    return triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"]
-
-
 def _prefill_tile(block_d: int, itemsize: int, device: torch.device) -> tuple[int, int, int, int]:
     """PREFILL_CONFIG, with half the query tokens for a wide head (Gemma's 256: its fp32 accumulator kept in
     registers), and back to 32 context tokens in two stages where its K/V stages and q tile would not fit the device's
@@ -739,7 +734,7 @@ def _prefill_tile(block_d: int, itemsize: int, device: torch.device) -> tuple[in
     if block_d > 128:
         block_m //= 2
     shared = (2 * num_stages * block_n + block_m) * block_d * itemsize  # K and V tiles a stage, and q's
-    if device.type == "cuda" and shared > _max_shared_bytes(device):  # (TRITON_INTERPRET=1: CPU tensors, no limit)
+    if device.type == "cuda" and shared > max_shared_bytes(device):  # (TRITON_INTERPRET=1: CPU tensors, no limit)
         block_n, num_stages = 32, 2
     return block_m, block_n, num_warps, num_stages
 

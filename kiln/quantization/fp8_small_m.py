@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kiln import programmatic_launch
 from kiln.programmatic_launch import release, wait
+from kiln.shared_memory import max_shared_bytes
 
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -81,13 +82,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-@functools.cache
-def _max_shared_bytes(device: torch.device) -> int:
-    """The shared memory a program may use on ``device``, as Triton checks a build against it."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-
-
 def _block_m(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
@@ -103,7 +97,7 @@ def takes(m: int, n: int, k: int, device: torch.device) -> bool:
     224 tiles stream at 3.3 TB/s in cuBLASLt against 2.5–3.0 here). Either way only where the pipeline's NUM_STAGES
     tiles of weight and tokens (a byte a value) fit the device's shared memory: 192 KB at 128 rows, which a Hopper
     has (227 KB) and an Ada (99 KB) has not."""
-    if k % 128 or NUM_STAGES * (BLOCK_N + _block_m(m)) * _block_k(k) > _max_shared_bytes(device):
+    if k % 128 or NUM_STAGES * (BLOCK_N + _block_m(m)) * _block_k(k) > max_shared_bytes(device):
         return False
     return m <= SPLIT_M or (m <= MAX_M and triton.cdiv(n, CUBLAS_TILE_N) < _num_sms(device))
 
