@@ -158,6 +158,23 @@ def _online_softmax(
 
 
 @triton.jit
+def _load_kv(k_ptrs, v_ptrs, valid, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """A tile's keys and values [BLOCK_N, BLOCK_D]: with MASKED, zeros for the tokens not ``valid``; a head padded
+    to BLOCK_D, zeros past HEAD_DIM; else loaded unmasked."""
+    if MASKED:
+        kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -204,16 +221,7 @@ def _attend_tile(
         block = tl.load(table + pos // BLOCK_SIZE)
     offs = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     kv_offs = offs[:, None] + dims[None, :] * stride_cd
-    if MASKED:
-        kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_cache_ptr + kv_offs, mask=dims[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offs, mask=dims[None, :] < HEAD_DIM, other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + kv_offs)
-        v = tl.load(v_cache_ptr + kv_offs)
+    k, v = _load_kv(k_cache_ptr + kv_offs, v_cache_ptr + kv_offs, valid, dims, HEAD_DIM, BLOCK_D, MASKED)
     return _online_softmax(q, m_i, l_i, acc, k, v, pos, valid, q_pos, qk_scale, cap_scale, window, MASKED, CAUSAL,
                            WINDOWED, SOFTCAP, DOT_PRECISION)
 
@@ -256,16 +264,7 @@ def _attend_step_tile(
     tokens = (q_start + j).to(tl.int64)
     k_offs = tokens[:, None] * stride_kt + kv_head * stride_kh + dims[None, :] * stride_kd
     v_offs = tokens[:, None] * stride_vt + kv_head * stride_vh + dims[None, :] * stride_vd
-    if MASKED:
-        kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(k_ptr + k_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_offs, mask=kv_mask, other=0.0)
-    elif BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptr + k_offs, mask=dims[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptr + v_offs, mask=dims[None, :] < HEAD_DIM, other=0.0)
-    else:
-        k = tl.load(k_ptr + k_offs)
-        v = tl.load(v_ptr + v_offs)
+    k, v = _load_kv(k_ptr + k_offs, v_ptr + v_offs, valid, dims, HEAD_DIM, BLOCK_D, MASKED)
     return _online_softmax(q, m_i, l_i, acc, k, v, pos, valid, q_pos, qk_scale, cap_scale, 0, MASKED, True, False,
                            SOFTCAP, DOT_PRECISION)
 
