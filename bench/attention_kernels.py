@@ -2,6 +2,8 @@
 
 Decode is memory-bound, so it is reported as achieved GB/s of KV cache read against the device's copy bandwidth;
 prefill as TFLOP/s of causal attention. Run from the repository root: ``python -m bench.attention_kernels``.
+``--decode-tiles 32,4,2:64,4,3`` times the decode kernels at each tile (context tokens a loop step, warps, stages)
+over a bfloat16 and an FP8 cache at serving's batch sizes, each output checked against the first tile's.
 ``--prefill-tiles 128,32,8,2:64,32,4,2`` times the prefill kernel at each tile (query tokens a program, context
 tokens a step, warps, stages) and each way of reading the step's own tokens and ordering its programs instead, each
 output checked against the first run's.
@@ -22,8 +24,9 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfl
 MAX_MODEL_LEN = 8192  # block-table width, as a server sizes it; decode's split count depends on it
 
 
-def make_step(seq_lens: list[int], query_lens: list[int]):
-    """Arguments of one attention call over sequences whose blocks are scattered at random over the cache."""
+def make_step(seq_lens: list[int], query_lens: list[int], fp8_cache: bool = False):
+    """Arguments of one attention call over sequences whose blocks are scattered at random over the cache; with
+    ``fp8_cache``, an FP8 cache and its per-head scales."""
     width = MAX_MODEL_LEN // BLOCK_SIZE
     num_blocks = len(seq_lens) * width
     block_tables = torch.randperm(num_blocks, device="cuda").view(len(seq_lens), width).to(torch.int32)
@@ -44,6 +47,9 @@ def make_step(seq_lens: list[int], query_lens: list[int]):
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     v = torch.randn_like(k)
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+    if fp8_cache:
+        kv_scale = torch.full((2, NUM_KV_HEADS), 0.05, device="cuda")
+        return q, k, v, kv_cache.to(torch.float8_e4m3fn), meta, HEAD_DIM**-0.5, 0, 0.0, kv_scale
     return q, k, v, kv_cache, meta, HEAD_DIM**-0.5
 
 
@@ -88,6 +94,31 @@ def bench_prefill(batch: int, length: int) -> None:
     print(f"| prefill | {batch} | {length} | | {ms * 1e3:.1f} µs | {flops / ms / 1e9:.1f} TFLOP/s | | | |")
 
 
+# Decode steps the decode sweep times (batch, context): a lone request, and serving's batches at its contexts.
+DECODE_SWEEP_CASES = [(1, 1024), (32, 1024), (64, 512), (128, 384), (128, 1024)]
+
+
+def sweep_decode_tiles(tiles: list[tuple[int, int, int]]) -> None:
+    """Each decode tile's time (replayed from a CUDA graph) at each of DECODE_SWEEP_CASES over a bfloat16 and an FP8
+    cache, as µs and the KV read's GB/s; and each output's largest difference from the first tile's."""
+    cases = [(batch, context, fp8) for fp8 in (False, True) for batch, context in DECODE_SWEEP_CASES]
+    steps = {case: make_step([case[1]] * case[0], [1] * case[0], case[2]) for case in cases}
+    print("| tile | " + " | ".join(f"{'FP8' if fp8 else 'bf16'} {batch} x {context} µs (GB/s)"
+                                   for batch, context, fp8 in cases) + " | largest difference |")
+    print("|---|" + "---|" * (len(cases) + 1))
+    first = {}
+    for tile in tiles:
+        triton_kernels.DECODE_TILE = triton_kernels.DECODE_TILE_FP8 = tile
+        cells, diff = [], 0.0
+        for (batch, context, fp8), args in steps.items():
+            out = paged_attention(*args).float()
+            diff = max(diff, (out - first.setdefault((batch, context, fp8), out)).abs().max().item())
+            ms = do_bench_cudagraph(lambda args=args: paged_attention(*args), return_mode="median")
+            kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * (1 if fp8 else DTYPE.itemsize)
+            cells.append(f"{ms * 1e3:.1f} ({kv_bytes / ms / 1e6:.0f})")
+        print(f"| {tile} | " + " | ".join(cells) + f" | {diff:.4f} |", flush=True)
+
+
 # Prefill steps the sweep times: fresh prompts, a chunk over a cached prefix, and decodes beside a long chunk.
 SWEEP_CASES = {"1 x 2,048": ([2048], [2048]), "8 x 512": ([512] * 8, [512] * 8), "4 x 128": ([128] * 4, [128] * 4),
                "1,024 new over 1,024 cached": ([2048], [1024]),
@@ -122,10 +153,14 @@ def sweep_prefill_tiles(tiles: list[tuple[int, ...]]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-tiles", help="colon-separated tiles, each BLOCK_M,BLOCK_N,num_warps,num_stages")
+    p.add_argument("--decode-tiles", help="colon-separated tiles, each BLOCK_N,num_warps,num_stages")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.decode_tiles:
+        sweep_decode_tiles([tuple(int(v) for v in tile.split(",")) for tile in args.decode_tiles.split(":")])
     if args.prefill_tiles:
         sweep_prefill_tiles([tuple(int(v) for v in tile.split(",")) for tile in args.prefill_tiles.split(":")])
+    if args.decode_tiles or args.prefill_tiles:
         return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"device copy bandwidth: {copy_bandwidth():.0f} GB/s")

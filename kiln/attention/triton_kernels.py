@@ -46,7 +46,12 @@ LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value: an FP8 cache's keys and values are clamped to it
-DECODE_BLOCK_N = 32  # context tokens per decode loop iteration
+# Decode: (context tokens per loop iteration, num_warps, num_stages), over a cache in the model's dtype and over an
+# FP8 one. On an H100 a third stage took an FP8 cache's decode 1-9% faster at every size timed (128 x 384 tokens:
+# 64.2 -> 60.6 µs), and 64 tokens took bf16's 16-19% faster at 64-128 rows but 5-9% slower at 1 and 32
+# (BENCHMARKS.md, the decode kernels' tile; bench/attention_kernels.py --decode-tiles).
+DECODE_TILE = (32, 4, 2)
+DECODE_TILE_FP8 = (32, 4, 3)
 DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
 # Decode arguments that follow the split count, so the batch size: the log-sum-exp strides (the partial outputs'
 # strides are multiples of head_dim, divisible by 16 whatever the count).
@@ -281,6 +286,7 @@ def _decode_split_kernel(
     query_start_loc_ptr,
     part_out_ptr,
     part_lse_ptr,
+    out_ptr,
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
@@ -300,6 +306,8 @@ def _decode_split_kernel(
     stride_pos,
     stride_plb,
     stride_plh,
+    stride_ot,
+    stride_oh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -312,8 +320,10 @@ def _decode_split_kernel(
 ):
     """Attend the query heads of one kv head over one split of one sequence's context (its window's tail of it).
 
-    Writes the split's normalised output and its log2-sum-exp (-inf for an empty split) for the reduce kernel.
-    KV_SCALED (an FP8 cache): the head's key scale is folded into the scores' scale, its value scale into the output.
+    Writes the split's normalised output and its log2-sum-exp (-inf for an empty split) for the reduce kernel; with
+    one split, the output row itself, and no reduce runs (num_splits is not specialised on: a branch, not a
+    variant). KV_SCALED (an FP8 cache): the head's key scale is folded into the scores' scale, its value scale into
+    the output.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -377,12 +387,16 @@ def _decode_split_kernel(
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     if KV_SCALED:
         out = out * tl.load(v_scale_ptr + kv_head)
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row_mask = groups < GROUP
-    part = part_out_ptr + seq.to(tl.int64) * stride_pob + split * stride_pos
     out_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    tl.store(part + heads[:, None] * stride_poh + dims[None, :], out, mask=out_mask)
-    tl.store(part_lse_ptr + seq.to(tl.int64) * stride_plb + heads * stride_plh + split, lse, mask=row_mask)
+    if num_splits == 1:  # rows that are not decodes are left to the prefill kernel, as the reduce leaves them
+        dest = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(dest, out.to(out_ptr.dtype.element_ty), mask=out_mask & has_query)
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        part = part_out_ptr + seq.to(tl.int64) * stride_pob + split * stride_pos
+        tl.store(part + heads[:, None] * stride_poh + dims[None, :], out, mask=out_mask)
+        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_plb + heads * stride_plh + split, lse, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=DECODE_SPLIT_ARGS)
@@ -678,6 +692,7 @@ def _decode(
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     qk_scale, cap_scale = _scales(scale, softcap)
+    block_n, num_warps, num_stages = DECODE_TILE if kv_scale is None else DECODE_TILE_FP8
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -687,6 +702,7 @@ def _decode(
         meta.query_start_loc,
         part_out,
         part_lse,
+        out,
         *_kv_scales(kv_scale),
         qk_scale,
         cap_scale,
@@ -697,18 +713,21 @@ def _decode(
         meta.block_tables.stride(0),
         *part_out.stride()[:3],
         *part_lse.stride()[:2],
+        *out.stride()[:2],
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_SIZE=block_size,
-        BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_N=block_n,
         SOFTCAP=softcap > 0,
         DOT_PRECISION=_dot_precision(q.dtype),
         KV_SCALED=kv_scale is not None,
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if num_splits == 1:
+        return  # the split kernel wrote the output: the reduce would be a copy (~18 µs a layer at 128 rows, H100)
     _decode_reduce_kernel[(batch, num_heads)](
         part_out,
         part_lse,
