@@ -48,7 +48,7 @@ MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when t
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value: an FP8 cache's keys and values are clamped to it
 # Decode: (context tokens per loop iteration, num_warps, num_stages), over a cache in the model's dtype and over an
 # FP8 one. On an H100 a third stage took an FP8 cache's decode 1-9% faster at every size timed (128 x 384 tokens:
-# 64.2 -> 60.6 µs), and 64 tokens took bf16's 16-19% faster at 64-128 rows but 5-9% slower at 1 and 32
+# 64.2 -> 60.6 µs), and 64 tokens took bf16's 11-19% faster at 64-128 rows but 5-9% slower at 1 and 32
 # (BENCHMARKS.md, the decode kernels' tile; bench/attention_kernels.py --decode-tiles).
 DECODE_TILE = (32, 4, 2)
 DECODE_TILE_FP8 = (32, 4, 3)
