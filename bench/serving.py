@@ -564,10 +564,12 @@ def main() -> None:
             result["hf"] = hf_run(args, prompts)
         except Exception as exc:  # noqa: BLE001 - the peer failing is a result to report, not a crash
             result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
-    ranks = f", tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    setup = f", {args.quantization} linears" if args.quantization else ""
+    setup += f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype else ""
+    setup += f", tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     if not args.exec_server:
-        ranks += f", prefix caching {'on' if prefix_caching(args) else 'off'}"
-    workload = (f"{args.preset} {args.dtype}{ranks}, {args.requests} requests, prompts "
+        setup += f", prefix caching {'on' if prefix_caching(args) else 'off'}"
+    workload = (f"{args.preset} {args.dtype}{setup}, {args.requests} requests, prompts "
                 f"{args.min_prompt}-{args.max_prompt}, {args.output_len} output tokens each, greedy, "
                 f"{time.strftime('%Y-%m-%d')}")
     print(f"\n{workload}")
