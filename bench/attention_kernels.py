@@ -108,7 +108,7 @@ def sweep_decode_tiles(tiles: list[tuple[int, int, int]]) -> None:
     print("|---|" + "---|" * (len(cases) + 1))
     first = {}
     for tile in tiles:
-        triton_kernels.DECODE_TILE = triton_kernels.DECODE_TILE_FP8 = tile
+        triton_kernels.DECODE_TILE = triton_kernels.DECODE_TILE_ONE_SPLIT = triton_kernels.DECODE_TILE_FP8 = tile
         cells, diff = [], 0.0
         for (batch, context, fp8), args in steps.items():
             out = paged_attention(*args).float()

@@ -46,11 +46,13 @@ LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value: an FP8 cache's keys and values are clamped to it
-# Decode: (context tokens per loop iteration, num_warps, num_stages), over a cache in the model's dtype and over an
-# FP8 one. On an H100 a third stage took an FP8 cache's decode 1-9% faster at every size timed (128 x 384 tokens:
-# 64.2 -> 60.6 µs), and 64 tokens took bf16's 11-19% faster at 64-128 rows but 5-9% slower at 1 and 32
-# (BENCHMARKS.md, the decode kernels' tile; bench/attention_kernels.py --decode-tiles).
+# Decode: (context tokens per loop iteration, num_warps, num_stages) over a cache in the model's dtype, split (small
+# batches) and at one split a sequence (from 4 x SMs / kv heads rows: Llama-3-8B's 66 on 132 SMs), and over an FP8
+# cache. On an H100 64 tokens took bf16's decode 16-19% faster at 128 rows but 5-9% slower at 1 and 32, and a third
+# stage took an FP8 cache's 1-9% faster at every size timed (BENCHMARKS.md, the decode kernels' tile;
+# bench/attention_kernels.py --decode-tiles). Each tile is a kernel variant: the warm-up builds both of bf16's.
 DECODE_TILE = (32, 4, 2)
+DECODE_TILE_ONE_SPLIT = (64, 4, 2)
 DECODE_TILE_FP8 = (32, 4, 3)
 DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
 # Decode arguments that follow the split count, so the batch size: the log-sum-exp strides (the partial outputs'
@@ -692,7 +694,10 @@ def _decode(
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     qk_scale, cap_scale = _scales(scale, softcap)
-    block_n, num_warps, num_stages = DECODE_TILE if kv_scale is None else DECODE_TILE_FP8
+    if kv_scale is not None:
+        block_n, num_warps, num_stages = DECODE_TILE_FP8
+    else:
+        block_n, num_warps, num_stages = DECODE_TILE_ONE_SPLIT if num_splits == 1 else DECODE_TILE
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
