@@ -45,6 +45,7 @@ from kiln.shared_memory import max_shared_bytes
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
+F16_MAX = tl.constexpr(65504.0)  # float16's largest finite value: a bf16 query read as f16 is clamped to it
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value: an FP8 cache's keys and values are clamped to it
 # Decode: (context tokens per loop iteration, num_warps, num_stages) over a cache in the model's dtype, split (small
 # batches) and at one split a sequence (from 4 x SMs / kv heads rows: Llama-3-8B's 66 on 132 SMs), and over an FP8
@@ -349,6 +350,8 @@ def _decode_split_kernel(
 
     if KV_SCALED:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        if q.dtype == tl.bfloat16:  # dots in f16: e4m3 -> f16 is one instruction on Hopper, -> bf16 goes through f32
+            q = tl.clamp(q.to(tl.float32), -F16_MAX, F16_MAX).to(tl.float16)  # exact in f16's range, as e4m3 is
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
