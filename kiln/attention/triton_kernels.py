@@ -30,6 +30,9 @@ padding (sequence length 0) produce zeros.
 
 An FP8 cache (``kv_scale`` given) is written divided by each kv head's scale and read as stored: the key scale is
 folded into the scores' scale and the value scale into the output, so the tiles' loop is the same as in 16 bits.
+Decode over it dots in float16 where the model is bf16: e4m3 -> f16 is one instruction on Hopper where e4m3 -> bf16
+goes through f32, and e4m3's values are exact in f16; the query is clamped to f16's range (5-7% off the decode
+kernel at 128 rows on an H100, BENCHMARKS.md). Prefill keeps bf16: its step's own k/v are not FP8 and could overflow.
 """
 
 import functools
