@@ -1,15 +1,15 @@
 """Kiln's Triton kernel for an activation's per-token FP8 quantize, of the activation itself or of SiLU(gate) × up.
 
-One program a token. For a few rows (a decode step) a row that fits ONE_PASS_MAX elements is read once into the
-registers of many warps: its amax, scale and float8 values come from the same load. For many rows (a prefill) a
-program of four warps reads its row twice in blocks, the second time mostly from L2: a one-pass program holding a
-14,336-wide row takes most of an SM's registers, so few rows are in flight. In a Llama-3-8B layer's 2,048-token
-prefill on an H100 the two quantizes took 116.7 µs this way against 136.1 in one pass (the same machine) and
-Inductor's fusions' 125.5 (another H100; BENCHMARKS.md). Replayed alone, where part of the row stays in L2 from the
-replay before, one pass looks faster (bench/quantize_kernel.py). A row wider than ONE_PASS_MAX (Llama-3.1-70B's
-28,672) takes two passes. The values are those of kiln.quantization.activation_quant's torch ops, computed in
-float32 as Inductor's fused kernels compute them (SiLU and the product not rounded to the activation's dtype between
-them): the scale max(amax / 448, MIN_SCALE), x / scale clamped to ±448.
+One program a token. A row that fits ONE_PASS_MAX elements and is wider than half of it (an MLP's SiLU x up) is read
+once into the registers of 32 warps, whatever the row count: its amax, scale and float8 values come from the same
+load. A narrower row (the attention output) past FEW_ROWS is read twice in blocks by four warps, the second time
+from L2. Timed after the GEMM that writes the input, as in a layer (bench/quantize_kernel.py --after-gemm, H100):
+SiLU x up of 14,336 at 2,048 rows took 81.9 µs in one pass of 32 warps, 113.0 in two passes of four, 140.6 in one
+pass of 16 (a 2,048-token FP8 step 0.8 ms shorter); the 4,096-wide attention output was fastest in two passes of
+four (12.2 µs). A row wider than ONE_PASS_MAX (Llama-3.1-70B's 28,672) takes two passes. The values are those of
+kiln.quantization.activation_quant's torch ops, computed in float32 as Inductor's fused kernels compute them (SiLU and
+the product not rounded to the activation's dtype between them): the scale max(amax / 448, MIN_SCALE), x / scale
+clamped to ±448.
 """
 
 import torch
@@ -22,7 +22,7 @@ FP8_MAX = tl.constexpr(448.0)
 ONE_PASS_MAX = 16384  # widest row held in registers (Llama-3-8B's 14,336 MLP width)
 LOOP_BLOCK = 4096  # elements per step of a row too wide for one pass
 FEW_ROWS = 32  # up to this many rows a program reads its row in one pass where it fits
-MANY_ROWS_CONFIG = (2048, False, 4)  # past FEW_ROWS: (BLOCK, ONE_PASS, num_warps)
+MANY_ROWS_CONFIG = (2048, False, 4)  # past FEW_ROWS, a row of at most ONE_PASS_MAX / 2: (BLOCK, ONE_PASS, num_warps)
 
 
 @triton.jit
@@ -62,12 +62,13 @@ def _quantize_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, width, stride_x, stride_up
 
 
 def _config(m: int, width: int) -> tuple[int, bool, int]:
-    """(BLOCK, ONE_PASS, num_warps) for ``m`` rows of ``width``. A few rows: one pass by as many warps as the load can
-    use (in CUDA graphs, SiLU x up of 14,336 at 1 row: 4.4 µs with 32 warps against 5.1 with 16 on the H200, and
-    Inductor's 4.9; a 4,096 row 1.7 µs with 8 warps). Many: MANY_ROWS_CONFIG."""
-    if m > FEW_ROWS:
-        return MANY_ROWS_CONFIG
+    """(BLOCK, ONE_PASS, num_warps) for ``m`` rows of ``width``. One pass by as many warps as the load can use where
+    the row fits (in CUDA graphs, SiLU x up of 14,336 at 1 row: 4.4 µs with 32 warps against 5.1 with 16 on the H200,
+    and Inductor's 4.9; a 4,096 row 1.7 µs with 8 warps), except a narrow row past FEW_ROWS: MANY_ROWS_CONFIG. The
+    wide row's one pass is the same variant at every row count, so no build of its own for a prefill."""
     block = triton.next_power_of_2(width)
+    if m > FEW_ROWS and block <= ONE_PASS_MAX // 2:
+        return MANY_ROWS_CONFIG
     if block > ONE_PASS_MAX:
         return LOOP_BLOCK, False, 8
     return block, True, max(4, min(32, block // 512))
