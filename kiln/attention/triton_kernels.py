@@ -30,9 +30,6 @@ padding (sequence length 0) produce zeros.
 
 An FP8 cache (``kv_scale`` given) is written divided by each kv head's scale and read as stored: the key scale is
 folded into the scores' scale and the value scale into the output, so the tiles' loop is the same as in 16 bits.
-Decode over it dots in float16 where the model is bf16: e4m3 -> f16 is one instruction on Hopper where e4m3 -> bf16
-goes through f32, and e4m3's values are exact in f16; the query is clamped to f16's range (5-7% off the decode
-kernel at 128 rows on an H100, BENCHMARKS.md). Prefill keeps bf16: its step's own k/v are not FP8 and could overflow.
 """
 
 import functools
@@ -48,7 +45,6 @@ from kiln.shared_memory import max_shared_bytes
 LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
-F16_MAX = tl.constexpr(65504.0)  # float16's largest finite value: a bf16 query read as f16 is clamped to it
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value: an FP8 cache's keys and values are clamped to it
 # Decode: (context tokens per loop iteration, num_warps, num_stages) over a cache in the model's dtype, split (small
 # batches) and at one split a sequence (from 4 x SMs / kv heads rows: Llama-3-8B's 66 on 132 SMs), and over an FP8
@@ -353,8 +349,6 @@ def _decode_split_kernel(
 
     if KV_SCALED:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-        if q.dtype == tl.bfloat16:  # dots in f16: e4m3 -> f16 is one instruction on Hopper, -> bf16 goes through f32
-            q = tl.clamp(q.to(tl.float32), -F16_MAX, F16_MAX).to(tl.float16)  # exact in f16's range, as e4m3 is
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
