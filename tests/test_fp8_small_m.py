@@ -22,9 +22,10 @@ SHAPES = ((6144, 4096), (4096, 14336)) if torch.cuda.is_available() else ((96, 5
 SPLIT_M, MAX_M = 32, 128  # kiln.quantization.fp8_small_m's (it imports Triton, which the CPU CI has not)
 
 
-# sms: the device's SM count, and as many as make K split 2-8 ways (up to SPLIT_M rows: past them K is not split)
+# sms: the device's SM count, and as many as make K split 2-8 ways (up to SPLIT_M rows: past them K is not split) or
+# the tokens 64 a program (past 64 rows)
 @pytest.mark.parametrize("m, sms", [(m, sms) for m in (1, 5, 16, SPLIT_M) for sms in (None, 256)]
-                         + [(48, None), (MAX_M, None)])
+                         + [(48, None), (100, 256), (MAX_M, None), (MAX_M, 256)])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     from kiln.quantization import fp8_small_m
@@ -33,7 +34,10 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     assert (fp8_small_m.SPLIT_M, fp8_small_m.MAX_M) == (SPLIT_M, MAX_M)
     if sms is not None:
         monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: sms)
-        assert fp8_small_m.split_k(n, k, 128, sms) > 1 or k % 256  # a K of three 128s splits no way
+        if m <= SPLIT_M:
+            assert fp8_small_m.split_k(n, k, 128, sms) > 1 or k % 256  # a K of three 128s splits no way
+        else:
+            assert fp8_small_m.tokens_a_program(m, n, sms) == 64 < m  # two token tiles, the last one partial at 100
     torch.manual_seed(m)
     q, scale = quantize_rows(torch.randn(n, k, device=DEVICE) * 0.02)
     xq, x_scale = quantize_tokens(torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16))
