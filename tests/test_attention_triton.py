@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}  # float32: no TF32 (the default)
+FP8 = torch.float8_e4m3fn
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +108,10 @@ def check(case: Case) -> torch.Tensor:
     out = attention_triton.paged_attention(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale, **case.layer)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(case.kv_cache, ref_cache, rtol=0, atol=0, equal_nan=True)  # NaN: a null block
+    if case.kv_cache.dtype == FP8:
+        assert torch.equal(case.kv_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    else:
+        torch.testing.assert_close(case.kv_cache, ref_cache, rtol=0, atol=0, equal_nan=True)  # NaN: a null block
     padding = case.meta.query_start_loc[case.meta.num_seqs].item()
     assert not out[padding:].any()
     assert relative_error(out, ref) < TOLERANCE[case.q.dtype]
@@ -185,6 +189,37 @@ def test_decode_builds_no_kernel_of_its_own_at_any_batch_size():
         check(case)
         first = built() if batch == 128 else first
     assert splits[0] > 1 and splits[1] == 1 and len(set(splits)) > 4 and built() == first
+
+
+def fp8_case(case: Case, kv_scale: torch.Tensor) -> Case:
+    """The case over an FP8 cache holding its cache's values divided by each kv head's scale ([2, Hkv]: keys',
+    values'), as the execute service's FP8 KV cache stores them."""
+    scaled = case.kv_cache.float() / kv_scale[:, None, None, :, None]
+    case.kv_cache = scaled.clamp(-attention_reference.FP8_MAX, attention_reference.FP8_MAX).to(FP8)
+    case.layer["kv_scale"] = kv_scale
+    return case
+
+
+# (seq_lens, query_lens): a decode step of short and long contexts (several splits and one), a mixed step
+FP8_CACHE_STEPS = {"decode": ([1, 300, 17, 1030, 64, 2000], [1] * 6), "mixed": ([300, 17, 700, 90], [1, 1, 200, 90])}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("step", FP8_CACHE_STEPS)
+def test_an_fp8_cache_is_written_and_read_as_the_reference_does(step, dtype):
+    """The kernels over an FP8 cache (the keys' scale folded into the scores', the values' into the output) against
+    the reference, which multiplies each value back before it attends. The scales put N(0, 1) values over e4m3's
+    range up to its clamp at 448, the new tokens' too."""
+    seq_lens, query_lens = FP8_CACHE_STEPS[step]
+    case = make_case(seq_lens, query_lens, 32, 8, 128, 16, dtype, padding_rows=2)
+    kv_scale = torch.rand(2, 8, device=DEVICE) * 0.02 + 0.005
+    if INTERPRETED:  # its float8 cast drops a rounded-up mantissa's carry (a value just under 128 becomes 64): scales
+        # of powers of two and new keys and values that e4m3 holds as they are, so that no cast rounds
+        kv_scale = 2.0 ** -torch.randint(5, 9, (2, 8), device=DEVICE).float()
+        for x, scale in zip((case.k, case.v), kv_scale, strict=True):
+            held = (x.float() / scale[:, None]).clamp(-attention_reference.FP8_MAX, attention_reference.FP8_MAX)
+            x.copy_(held.to(FP8).float() * scale[:, None])
+    check(fp8_case(case, kv_scale))
 
 
 # (seq_lens, query_lens): fresh prefill, mixed prefill + decode (the leading decodes go to the decode kernels),
