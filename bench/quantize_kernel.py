@@ -69,25 +69,23 @@ def input_writer(m: int, width: int, glu: bool):
 def row_cells(m: int, width: int, glu: bool, configs: list[tuple[int, bool, int]], after_gemm: bool) -> list[str]:
     """Inductor's fusion, then Kiln's kernel at each config, on ``m`` rows of ``width``."""
     torch.manual_seed(m)
-    writer = None
     if after_gemm:
         merged, writer = input_writer(m, width, glu)
         writer()
-    elif glu:
-        merged = torch.randn(m, 2 * width, device="cuda", dtype=torch.bfloat16)
+    else:
+        merged, writer = torch.randn(m, (2 if glu else 1) * width, device="cuda", dtype=torch.bfloat16), None
     if glu:
         x, up = merged[:, :width], merged[:, width:]
         fused = torch.compile(lambda g, u: quantize_tokens(F.silu(g) * u), dynamic=False)
         inductor = functools.partial(fused, x, up)
     else:
-        x = merged if after_gemm else torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
-        up = None
+        x, up = merged, None
         inductor = functools.partial(torch.compile(quantize_tokens, dynamic=False), x)
     moved = m * width * (2 * (2 if glu else 1) + 1)  # bf16 in, float8 out
     writer_us = replay_us(writer) if writer else 0.0
     cells = [time_us(inductor, moved, writer, writer_us)]
     for config in configs:
-        block, one_pass = config[:2]
+        block, one_pass, _ = config
         if one_pass and block < width:
             cells.append("-")  # one pass over a row wider than the block: not a config of this width
             continue
