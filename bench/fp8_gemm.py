@@ -184,7 +184,7 @@ def fp8_swap_ab(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, s
                 config: tuple | None) -> torch.Tensor:
     """The FP8 activation ``xq`` [M, K] with token scales [M, 1] times the float8 ``weight`` [N, K] with row scales
     [N] -> bf16 [M, N]: Kiln's swap-AB kernel with both operands FP8 at ``config`` (None: the one it picks)."""
-    return small_m_mm(xq, x_scale.reshape(-1).contiguous(), weight, scale, config)
+    return small_m_mm(xq, x_scale.reshape(-1).contiguous(), weight, scale, config=config)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: tuple) -> torch.Tensor:

@@ -340,6 +340,41 @@ def test_the_quantizes_inductor_fuses_badly_are_given_kilns_kernel():
     torch.testing.assert_close(routed, unrouted, rtol=0, atol=0)
 
 
+def test_the_layers_last_residual_add_is_taken_into_its_fp8_product():
+    """The compile's pass gives down's product the residual it is added to (the layer's output), and leaves the add
+    after o to Inductor's norm fusion; the fused graph computes what the unfused one does (on the CPU the op adds after
+    ``_scaled_mm``, in the same float32). On the CPU the compile does not fuse (the pass is asked to here)."""
+    from compile_service.pipeline import _layer_examples
+    from kiln.model.merged_projections import merge_identical_linears
+    from kiln.quantization.fp8_mm import fp8_mm
+    from kiln.quantization.residual_add import fuse_residual_add
+
+    resolved = resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu")
+    module = build_model(resolved, "cpu", quantization="fp8")
+    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_compiled_tokens=64))
+    seen = {}
+
+    def compiled(fuse: bool):
+        def backend(gm, example_inputs):
+            merge_identical_linears(gm)
+            if fuse:
+                seen["on_cuda_only"] = fuse_residual_add(gm)
+                seen["fused"] = fuse_residual_add(gm, devices=("cpu",))
+                seen["again"] = fuse_residual_add(gm, devices=("cpu",))
+                products = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fp8_mm]
+                seen["with_residual"] = [str(n.args[2]) for n in products if len(n.args) == 6]
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            return torch.compile(step, backend=backend, fullgraph=True)(*inputs)
+
+    unfused, fused = compiled(False), compiled(True)
+    assert seen["on_cuda_only"] == 0 and seen["fused"] == 1 and seen["again"] == 0
+    assert len(seen["with_residual"]) == 1 and "down_proj" in seen["with_residual"][0]
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
+
+
 def test_the_70b_preset_fits_an_h200_in_fp8_only(monkeypatch):
     """The memory check before anything is allocated counts FP8 bytes: with the 100 GiB an H200 has left beside a
     KV cache, Llama-3.1-70B's bfloat16 weights (131.4 GiB) are refused, its FP8 ones (67.7 GiB) go on to be built."""

@@ -50,6 +50,29 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     torch.testing.assert_close(got.float(), want, atol=2e-2 * want.std().item(), rtol=1e-2)
 
 
+# Each epilogue: the GEMM's own (one split, all tokens or 64 a program) and the split-K reduce's.
+@pytest.mark.parametrize("m, sms", [(1, None), (5, 256), (100, 256)])
+def test_the_kernel_adds_the_residual(m, sms, monkeypatch):
+    """``residual + product`` in the kernel's epilogue equals the float32 sum within the product's own bound and the
+    sum's bf16 step (a residual large against the product, so that one left out or added twice cannot pass)."""
+    from kiln.quantization import fp8_small_m
+    from kiln.quantization.fp8_small_m import small_m_mm
+
+    if sms is not None:
+        monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: sms)
+    n, k = SHAPES[0]
+    torch.manual_seed(m)
+    q, scale = quantize_rows(torch.randn(n, k, device=DEVICE) * 0.02)
+    xq, x_scale = quantize_tokens(torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16))
+    product = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
+    residual = (torch.randn(m, n, device=DEVICE) * 8 * product.std()).to(torch.bfloat16)
+    got = small_m_mm(xq, x_scale.reshape(-1).contiguous(), q, scale, residual)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    want = residual.float() + product
+    bf16_step = want.abs() * 2.0 ** -7  # a step of bf16's 8 significant bits (the interpreter truncates, CUDA rounds)
+    assert ((got.float() - want).abs() <= 2e-2 * product.std() + bf16_step).all()
+
+
 @pytest.mark.parametrize("device_name, shared_bytes, sms", [("H200", 232_448, 132), ("L40S", 101_376, 142)])
 def test_the_kernel_takes_decode_sized_products_its_pipeline_fits(device_name, shared_bytes, sms, monkeypatch):
     """Llama-3-8B's shapes: q/k/v (6,144 rows) up to MAX_M rows, gate_up (28,672) up to SPLIT_M, a K not a multiple

@@ -15,6 +15,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from kiln.compilation.fx_values import as_rows, example_value
 from kiln.dispatcher_op import dispatcher_op
 
 FP8 = torch.float8_e4m3fn
@@ -77,7 +78,7 @@ def route_activation_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...]
         if glu is None and not _opaque(source):
             continue
         with gm.graph.inserting_before(node):
-            args = (rows, None) if glu is None else tuple(_as_rows(gm.graph, g, _shape(rows)[-1]) for g in glu)
+            args = (rows, None) if glu is None else tuple(as_rows(gm.graph, g, _shape(rows)[-1]) for g in glu)
             fused = gm.graph.call_function(quantize_kernel, args)
         fused.meta = dict(node.meta)
         node.replace_all_uses_with(fused)
@@ -89,38 +90,22 @@ def route_activation_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...]
     return routed
 
 
-def _example(node) -> torch.Tensor | None:
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _shape(node) -> tuple:
-    return tuple(_example(node).shape)
+    return tuple(example_value(node).shape)
 
 
 def _matrix_on(node, devices: tuple[str, ...]) -> bool:
-    value = _example(node)
+    value = example_value(node)
     return value is not None and value.dim() == 2 and value.device.type in devices and value.stride(-1) == 1
 
 
 def _same_rows(operands: tuple[torch.fx.Node, torch.fx.Node], rows: torch.fx.Node) -> bool:
     """Whether gate and up have one shape, rows contiguous in their last dimension, as wide as ``rows``: their
     product reshaped is ``rows``, so each reshaped to rows of that width is the kernel's operand."""
-    values = [_example(operand) for operand in operands]
+    values = [example_value(operand) for operand in operands]
     return isinstance(_shape(rows)[-1], int) and all(v is not None and v.stride(-1) == 1 for v in values) and \
         [str(d) for d in values[0].shape] == [str(d) for d in values[1].shape] and \
-        str(values[0].shape[-1]) == str(_shape(rows)[-1]) and values[0].device == _example(rows).device
-
-
-def _as_rows(graph: torch.fx.Graph, node: torch.fx.Node, width: int) -> torch.fx.Node:
-    """``node`` as [tokens, width] (a view of gate's or up's slice of the merged product)."""
-    if _example(node).dim() == 2:
-        return node
-    view = graph.call_method("reshape", (node, -1, width))
-    value = _example(node)
-    with value.fake_mode:
-        view.meta["example_value"] = value.reshape(-1, width)
-    return view
+        str(values[0].shape[-1]) == str(_shape(rows)[-1]) and values[0].device == example_value(rows).device
 
 
 def _through_views(node: torch.fx.Node) -> torch.fx.Node:

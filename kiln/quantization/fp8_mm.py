@@ -12,20 +12,22 @@ import torch
 from kiln.dispatcher_op import dispatcher_op
 
 
-def _fake(q, scale, weight, weight_scale, out_dtype):
+def _fake(q, scale, weight, weight_scale, out_dtype, residual=None):
     return q.new_empty((q.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
-@dispatcher_op("kiln::fp8_mm", "(Tensor q, Tensor scale, Tensor weight, Tensor weight_scale, ScalarType out_dtype) "
-               "-> Tensor", _fake)
+@dispatcher_op("kiln::fp8_mm", "(Tensor q, Tensor scale, Tensor weight, Tensor weight_scale, ScalarType out_dtype, "
+               "Tensor? residual=None) -> Tensor", _fake)
 def fp8_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-           out_dtype: torch.dtype) -> torch.Tensor:
+           out_dtype: torch.dtype, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``_scaled_mm(q, weight.t())`` with the token ``scale`` [M, 1] and row ``weight_scale`` [N], in ``out_dtype``
-    (bf16 on CUDA, as cuBLASLt's row-wise product writes)."""
+    (bf16 on CUDA, as cuBLASLt's row-wise product writes); with ``residual`` [M, N] of ``out_dtype``, plus it
+    (kiln.quantization.residual_add: Kiln's kernel adds it before its one rounding, instead of a kernel after)."""
     if q.is_cuda:
         from kiln.quantization import fp8_small_m  # Triton: only where CUDA runs
 
         if fp8_small_m.takes(q.shape[0], weight.shape[0], q.shape[1], q.device):
-            return fp8_small_m.small_m_mm(q, scale.reshape(-1).contiguous(), weight, weight_scale)
-    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype,
-                            use_fast_accum=q.is_cuda)
+            return fp8_small_m.small_m_mm(q, scale.reshape(-1).contiguous(), weight, weight_scale, residual)
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype,
+                           use_fast_accum=q.is_cuda)
+    return out if residual is None else out.add_(residual)

@@ -34,13 +34,13 @@ REDUCE_BLOCK = 256  # outputs a reduce program sums: a 1-row step of N 4096 stil
 # M (the step's tokens) is not specialised on (Triton would build a variant for 1, for multiples of 16 and for the
 # rest): one build per layer shape and power-of-two BLOCK_M, before ready.
 @triton.jit(do_not_specialize=["M"])
-def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
-                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, res_ptr, M, N, K, stride_xm,
+                    stride_wn, stride_om, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """out.T[N, M] = w[N, K] @ x.T[K, M] over this program's 1/SPLIT_K of K (K a multiple of SPLIT_K * BLOCK_K), both
-    operands FP8, times the token scales; with SPLIT_K 1 times the row scales too and stored as bf16, else float32
-    partials [SPLIT_K, M, N] for reduce_kernel. With PDL it starts while the kernel before ends, and lets the next
-    one start once its K loop is done."""
+    operands FP8, times the token scales; with SPLIT_K 1 times the row scales too (plus the residual with RESIDUAL)
+    and stored as bf16, else float32 partials [SPLIT_K, M, N] for reduce_kernel. With PDL it starts while the kernel
+    before ends, and lets the next one start once its K loop is done."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -59,17 +59,19 @@ def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, M
     acc *= tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)[None, :]
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K == 1:
-        w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
-        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], (acc * w_scale[:, None]).to(tl.bfloat16), mask=mask)
+        acc *= tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
+        if RESIDUAL:
+            acc += tl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(tl.bfloat16), mask=mask)
     else:
         tl.store(part_ptr + split * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
-    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n, as bf16. Small: with PDL the
-    next kernel may start as soon as it has waited for the GEMM."""
+def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, res_ptr, M, N, stride_om, stride_rm, SPLIT_K: tl.constexpr,
+                  BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n (plus residual[m, n] with
+    RESIDUAL), as bf16. Small: with PDL the next kernel may start as soon as it has waited for the GEMM."""
     wait(PDL)
     release(PDL)
     m = tl.program_id(0)
@@ -77,8 +79,10 @@ def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.c
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
-    w_scale = tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
-    tl.store(out_ptr + m * stride_om + rn, (acc * w_scale).to(tl.bfloat16), mask=rn < N)
+    acc *= tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + m * stride_rm + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + rn, acc.to(tl.bfloat16), mask=rn < N)
 
 
 @functools.cache
@@ -127,9 +131,10 @@ def split_k(n: int, k: int, block_k: int, sms: int) -> int:
 
 
 def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """FP8 ``q`` [M, K] with token scales [M] times the FP8 ``weight`` [N, K] with row scales [N] -> bf16 [M, N],
-    for a few rows M and K a multiple of 128. ``config`` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, BLOCK_M:
+               residual: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """FP8 ``q`` [M, K] with token scales [M] times the FP8 ``weight`` [N, K] with row scales [N] -> bf16 [M, N]
+    (plus ``residual`` [M, N], rows contiguous, added in float32 before the one rounding), for a few rows M and K a
+    multiple of 128. ``config`` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, BLOCK_M:
     default all the tokens]) is for bench/fp8_gemm.py's sweep; None: this module's choice. Past SPLIT_M rows K is not
     split: the float32 partials (splits x M x N) cost more than the programs gain (every best config of the
     48–128-row sweep had one split)."""
@@ -144,11 +149,13 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
     pdl = programmatic_launch.enabled(q.device)
+    res = out if residual is None else residual if residual.stride(-1) == 1 else residual.contiguous()
     _swap_ab_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
-        q, scale, weight, weight_scale, out, part, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        q, scale, weight, weight_scale, out, part, res, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
+        res.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+        RESIDUAL=residual is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
     if splits > 1:
-        reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, weight_scale, out, m, n, out.stride(0), SPLIT_K=splits,
-                                                          BLOCK=REDUCE_BLOCK, PDL=pdl, launch_pdl=pdl)
+        reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
+            part, weight_scale, out, res, m, n, out.stride(0), res.stride(0), SPLIT_K=splits, BLOCK=REDUCE_BLOCK,
+            RESIDUAL=residual is not None, PDL=pdl, launch_pdl=pdl)
     return out
