@@ -300,6 +300,27 @@ def test_an_fp8_layer_runs_one_fp8_product_per_projection_group():
     assert counts == [(7, 4, 3)]
 
 
+def tiny_fp8_layer_compiled(compile_pass=None) -> torch.Tensor:
+    """tiny-llama's FP8 layer compiled whole by a backend that merges its linears and then, when given, runs
+    ``compile_pass(gm)`` (a pass under test, on the CPU, which the compile service leaves unpassed); its output."""
+    from compile_service.pipeline import _layer_examples
+    from kiln.model.merged_projections import merge_identical_linears
+
+    resolved = resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu")
+    module = build_model(resolved, "cpu", quantization="fp8")
+    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_compiled_tokens=64))
+
+    def backend(gm, example_inputs):
+        merge_identical_linears(gm)
+        if compile_pass is not None:
+            compile_pass(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return torch.compile(step, backend=backend, fullgraph=True)(*inputs)
+
+
 def test_the_quantizes_inductor_fuses_badly_are_given_kilns_kernel():
     """The compile's pass gives kiln::quantize_kernel the input of down (SiLU(gate) x up, the SiLU and the product
     with it) and of o (the attention op's output), and leaves the quantizes after the norms (q/k/v, gate/up) to
@@ -307,33 +328,20 @@ def test_the_quantizes_inductor_fuses_badly_are_given_kilns_kernel():
     (the pass is asked to here): the op's CPU code is the same torch ops, unfused."""
     import torch.nn.functional as F
 
-    from compile_service.pipeline import _layer_examples
-    from kiln.model.merged_projections import merge_identical_linears
     from kiln.quantization.activation_quant import QUANTIZE_TOKENS, route_activation_quantize
 
-    resolved = resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu")
-    module = build_model(resolved, "cpu", quantization="fp8")
-    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_compiled_tokens=64))
     seen = {}
 
-    def compiled(route: bool):
-        def backend(gm, example_inputs):
-            merge_identical_linears(gm)
-            if route:
-                seen["on_cuda_only"] = route_activation_quantize(gm)
-                seen["routed"] = route_activation_quantize(gm, devices=("cpu",))
-                calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-                seen["kernels"] = sorted(n.args[1] is not None for n in calls
-                                         if n.target is torch.ops.kiln.quantize_kernel.default)
-                seen["left"] = sum(n.target in QUANTIZE_TOKENS for n in calls)
-                seen["silu"] = sum(n.target is F.silu for n in calls)
-            return gm.forward
+    def route(gm):
+        seen["on_cuda_only"] = route_activation_quantize(gm)
+        seen["routed"] = route_activation_quantize(gm, devices=("cpu",))
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        seen["kernels"] = sorted(n.args[1] is not None for n in calls
+                                 if n.target is torch.ops.kiln.quantize_kernel.default)
+        seen["left"] = sum(n.target in QUANTIZE_TOKENS for n in calls)
+        seen["silu"] = sum(n.target is F.silu for n in calls)
 
-        torch._dynamo.reset()
-        with torch.no_grad():
-            return torch.compile(step, backend=backend, fullgraph=True)(*inputs)
-
-    unrouted, routed = compiled(False), compiled(True)
+    unrouted, routed = tiny_fp8_layer_compiled(), tiny_fp8_layer_compiled(route)
     assert seen["on_cuda_only"] == 0
     assert seen["routed"] == 2 and seen["kernels"] == [False, True]  # o's input, down's SiLU x up
     assert seen["left"] == 2 and seen["silu"] == 0
@@ -344,32 +352,19 @@ def test_the_layers_last_residual_add_is_taken_into_its_fp8_product():
     """The compile's pass gives down's product the residual it is added to (the layer's output), and leaves the add
     after o to Inductor's norm fusion; the fused graph computes what the unfused one does (on the CPU the op adds after
     ``_scaled_mm``, in the same float32). On the CPU the compile does not fuse (the pass is asked to here)."""
-    from compile_service.pipeline import _layer_examples
-    from kiln.model.merged_projections import merge_identical_linears
     from kiln.quantization.fp8_mm import fp8_mm
     from kiln.quantization.residual_add import fuse_residual_add
 
-    resolved = resolve(common_pb2.ModelSpec(preset="tiny-llama"), "cpu")
-    module = build_model(resolved, "cpu", quantization="fp8")
-    (step, inputs), = _layer_examples(module, resolved, CompileConfig(max_compiled_tokens=64))
     seen = {}
 
-    def compiled(fuse: bool):
-        def backend(gm, example_inputs):
-            merge_identical_linears(gm)
-            if fuse:
-                seen["on_cuda_only"] = fuse_residual_add(gm)
-                seen["fused"] = fuse_residual_add(gm, devices=("cpu",))
-                seen["again"] = fuse_residual_add(gm, devices=("cpu",))
-                products = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fp8_mm]
-                seen["with_residual"] = [str(n.args[2]) for n in products if len(n.args) == 6]
-            return gm.forward
+    def fuse(gm):
+        seen["on_cuda_only"] = fuse_residual_add(gm)
+        seen["fused"] = fuse_residual_add(gm, devices=("cpu",))
+        seen["again"] = fuse_residual_add(gm, devices=("cpu",))
+        products = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fp8_mm]
+        seen["with_residual"] = [str(n.args[2]) for n in products if len(n.args) == 6]
 
-        torch._dynamo.reset()
-        with torch.no_grad():
-            return torch.compile(step, backend=backend, fullgraph=True)(*inputs)
-
-    unfused, fused = compiled(False), compiled(True)
+    unfused, fused = tiny_fp8_layer_compiled(), tiny_fp8_layer_compiled(fuse)
     assert seen["on_cuda_only"] == 0 and seen["fused"] == 1 and seen["again"] == 0
     assert len(seen["with_residual"]) == 1 and "down_proj" in seen["with_residual"][0]
     torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
