@@ -61,10 +61,12 @@ def _same_dtype(a: torch.fx.Node, b: torch.fx.Node) -> bool:
 
 
 def _fits(product: torch.fx.Node, residual, add: torch.fx.Node, order: dict, devices: tuple[str, ...]) -> bool:
-    """The residual is a tensor as the sum is (dtype, elements, device), and exists before the product runs."""
+    """The residual is a tensor as the sum is (dtype, shape), as many elements as the product, on ``devices``, and
+    exists before the product runs. Sizes are compared as their symbols' text: comparing them as symbolic sizes
+    would add guards to a graph already traced."""
     out, res, total = example_value(product), example_value(residual), example_value(add)
     return out is not None and res is not None and total is not None and out.device.type in devices \
-        and out.dtype == res.dtype == total.dtype and res.shape == total.shape \
+        and out.dtype == res.dtype == total.dtype and [str(d) for d in res.shape] == [str(d) for d in total.shape] \
         and str(res.numel()) == str(out.numel()) and order[residual] < order[product]
 
 
