@@ -20,6 +20,7 @@ With TRITON_INTERPRET=1 and --check, it runs the candidates on the CPU against t
 
 usage: python bench/fp8_gemm.py [--tokens 1,32,2048]
        python bench/fp8_gemm.py --graphs --tokens 1,4,16,32
+       python bench/fp8_gemm.py --streamed --tokens 1,8,32
        TRITON_INTERPRET=1 python bench/fp8_gemm.py --check
 """
 
@@ -155,6 +156,9 @@ SWAP_AB_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 4, 3), 
 FP8_DOT_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 4), (128, 128, 1, 4, 4), (128, 256, 1, 8, 3),
                    (64, 128, 2, 4, 4), (64, 256, 2, 4, 4), (64, 128, 4, 4, 5), (64, 256, 4, 4, 4),
                    (128, 128, 4, 4, 4), (128, 256, 4, 8, 3), (64, 128, 8, 4, 4), (64, 256, 8, 4, 3))
+# A wider grid for --streamed: the split, K tile and pipeline depth around Kiln's picks, at 64 weight rows a program
+STREAMED_CONFIGS = tuple((64, block_k, splits, 4, stages) for block_k in (128, 256, 512) for splits in (1, 2, 4, 8)
+                         for stages in (3, 4, 6) if block_k * stages <= 1536)
 GEMV_CONFIGS = ((16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 1024, 1, 4, 2), (16, 512, 4, 4, 3), (32, 256, 4, 4, 3),
                 (16, 256, 8, 4, 4), (64, 128, 1, 4, 4), (32, 512, 2, 8, 3))
 
@@ -270,6 +274,52 @@ def in_graphs(tokens: list[int]) -> None:
                   f"{wo:.1f} ({mb / wo:.2f}), {wo_config} | {gemm / picked:.2f}x |", flush=True)
 
 
+def streamed_us(fn, copies: int) -> float:
+    """µs a call of ``fn(i)``, the products over ``copies`` weights replayed in turn from one CUDA graph, so that
+    each reads its weight from HBM as a served step does (a step streams 32 layers' weights; one weight replayed
+    alone sits in the 50 MB L2 when it is smaller)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=30, return_mode="median") * 1e3 / copies
+
+
+def streamed_row(m: int, name: str, n: int, k: int, l2: int) -> str:
+    """One GEMM's row of the --streamed table."""
+    copies = max(2, 1 + 2 * l2 // (n * k))
+    weights = [quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+    xq, x_scale = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    token_scale = x_scale.reshape(-1).contiguous()
+    gemm = streamed_us(lambda i: torch._scaled_mm(xq, weights[i][0].t(), scale_a=x_scale,
+                                                  scale_b=weights[i][1].reshape(1, -1), out_dtype=torch.bfloat16,
+                                                  use_fast_accum=True), copies)
+    picked = streamed_us(lambda i: small_m_mm(xq, token_scale, *weights[i]), copies)
+    timed = {}
+    for c in STREAMED_CONFIGS:
+        if k % (c[1] * c[2]) == 0:
+            try:
+                timed[c] = streamed_us(lambda i, c=c: small_m_mm(xq, token_scale, *weights[i], config=c), copies)
+            except triton.runtime.errors.OutOfResources:
+                continue
+    config = min(timed, key=timed.get)
+    mb = n * k / 1e6
+    return (f"| {m} | {name} | {mb:.1f} | {copies} | {gemm:.1f} ({mb / gemm:.2f}) | {picked:.1f} ({mb / picked:.2f}) "
+            f"| {timed[config]:.1f} ({mb / timed[config]:.2f}) | {config} | {picked / timed[config]:.2f}x |")
+
+
+def streamed(tokens: list[int]) -> None:
+    """Kiln's FP8 kernel at its own pick and at each of STREAMED_CONFIGS, and ``_scaled_mm``, each GEMM replayed
+    over enough copies of its weight to exceed the L2: µs and the weight's TB/s, the pick against the best."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"{torch.cuda.get_device_name()}, L2 {l2 / 1e6:.0f} MB; µs a product, each GEMM over copies of its "
+          "weight replayed in turn from one CUDA graph")
+    print("| tokens | GEMM | FP8 weight MB | copies | _scaled_mm us (TB/s) | Kiln's pick us (TB/s) "
+          "| best config us (TB/s) | best config | pick / best |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in tokens:
+        for name, n, k in GEMMS:
+            print(streamed_row(m, name, n, k, l2), flush=True)
+
+
 def check() -> None:
     """The candidates against the dequantized product, on whatever device the interpreter or CUDA gives."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -304,11 +354,16 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", default="1,32,2048")
     p.add_argument("--check", action="store_true", help="check the candidates' values only (CPU: TRITON_INTERPRET=1)")
+    p.add_argument("--streamed", action="store_true",
+                   help="Kiln's FP8 kernel over a grid of configs, each GEMM streaming its weights from HBM in a graph")
     p.add_argument("--graphs", action="store_true",
                    help="bf16, _scaled_mm, the FP8-dot and the weight-only swap-AB kernels, timed in CUDA graphs")
     args = p.parse_args()
     if args.check:
         check()
+        return
+    if args.streamed:
+        streamed([int(t) for t in args.tokens.split(",")])
         return
     if args.graphs:
         in_graphs([int(t) for t in args.tokens.split(",")])

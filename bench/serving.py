@@ -372,6 +372,7 @@ async def kiln_run(args, prompts, tmp: Path) -> dict:
                                             max_model_len=args.max_prompt + args.output_len + 16,
                                             piecewise_capture_sizes=args.piecewise_capture_sizes,
                                             kv_cache_dtype=args.kv_cache_dtype,
+                                            quantize_head=args.quantize_head,
                                             tensor_parallel_size=args.tensor_parallel_size,
                                             enable_prefix_caching=prefix_caching(args))
         async with connect_aio(services.exec.address) as channel:
@@ -537,6 +538,7 @@ def main() -> None:
     p.add_argument("--json-out", type=Path)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--quantization", default="", choices=["", "fp8"], help="fp8: the decoder's linears in FP8")
+    p.add_argument("--quantize-head", action="store_true", help="with --quantization fp8: the head in FP8 too")
     p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3"], help="fp8_e4m3: an FP8 KV cache")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks, one GPU each (docs/tensor-parallel.md); with --skip-hf when one GPU cannot hold it")
@@ -565,6 +567,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - the peer failing is a result to report, not a crash
             result["hf"] = {"error": f"{type(exc).__name__}: {exc}"}
     setup = f", {args.quantization} linears" if args.quantization else ""
+    setup += " and head" if args.quantize_head else ""
     setup += f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype else ""
     setup += f", tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     if not args.exec_server:
