@@ -7,6 +7,7 @@ includes the logits. The floor is (weight bytes + KV bytes read) / the copy band
 usage: python bench/forward_latency.py --bundle STORE/KEY [--preset llama-3-8b] [--batch-sizes 1,2,4,8,16,32,64]
        [--quantization fp8 [--quantize-head]]   (a bundle compiled with --quantization fp8: bench/compile_times.py,
        kiln compile)
+       [--kv-cache-dtype fp8_e4m3]   (an FP8 KV cache: the floor counts its bytes)
        [--prefill-tokens 2048]
 """
 
@@ -14,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +28,7 @@ from kiln import programmatic_launch
 from kiln.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 from kiln.compilation.counters import expect_no_compile
 from kiln.model.causal_lm import build_model, weights_bytes
-from kiln.model.spec import resolve
+from kiln.model.spec import ResolvedModel, resolve
 from kiln.store.bundle import load_compiled
 from kiln.store.signing import TrustedKeys, local_keys_dir
 from protos import common_pb2
@@ -86,38 +88,48 @@ def fill_step_buffers(buffers: StepBuffers, ids: torch.Tensor, positions: torch.
     buffers.block_tables[:bs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
 
 
-def load_for_decode(args: argparse.Namespace, sizes: list[int]):
+@dataclass
+class DecodeSetup:
+    resolved: ResolvedModel
+    model: torch.nn.Module
+    spec: kv_cache.KVCacheSpec
+    caches: list[torch.Tensor]
+    scales: list[torch.Tensor] | None  # an FP8 cache's per-layer scales (kv_cache.allocate_scales)
+    compiled: torch.nn.Module
+    max_blocks: int  # blocks a sequence's table holds
+
+
+def load_for_decode(args: argparse.Namespace, sizes: list[int]) -> DecodeSetup:
     """The preset's model (dummy weights), a paged KV cache of random values for ``args.context`` tokens of the
-    largest batch, and the bundle's compiled code, loaded as the execute service loads it (signature checked, no
-    compile): (resolved, model, cache spec, caches, compiled, blocks per sequence)."""
+    largest batch (FP8 with --kv-cache-dtype fp8_e4m3, scales 1.0), and the bundle's compiled code, loaded as the
+    execute service loads it (signature checked, no compile)."""
     torch.set_grad_enabled(False)
     resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
     model = build_model(resolved, "cuda", quantization=args.quantization, quantize_head=args.quantize_head)
-    spec = kv_cache.KVCacheSpec.from_config(resolved.config, BLOCK_SIZE, resolved.dtype)
+    spec = kv_cache.KVCacheSpec.from_config(resolved.config, BLOCK_SIZE,
+                                            kv_cache.cache_dtype(args.kv_cache_dtype, resolved.dtype))
     max_blocks = -(-(args.context + 1) // BLOCK_SIZE)
     caches = kv_cache.allocate(spec, max(sizes) * max_blocks, "cuda")
-    for cache in caches:
-        cache.normal_()
+    for cache in caches:  # (normal_ has no FP8 kernel)
+        cache.copy_(torch.randn(cache.shape, dtype=resolved.dtype, device="cuda"))
     with expect_no_compile("loading the bundle"):
         compiled = load_compiled(args.bundle, args.bundle.name, TrustedKeys.load(
             args.trusted_keys or local_keys_dir(args.bundle.parent)))
-    return resolved, model, spec, caches, compiled, max_blocks
+    return DecodeSetup(resolved, model, spec, caches, kv_cache.allocate_scales(spec, 1.0, "cuda"), compiled,
+                       max_blocks)
 
 
-def prefill_step(model, compiled, tokens: int, vocab: int):
-    """One sequence's first ``tokens`` tokens in one compiled step over an empty paged cache of its own, with the
-    last token's logits: a function that runs it."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def prefill_step(model, compiled, tokens: int, vocab: int, cache_spec: kv_cache.KVCacheSpec):
+    """One sequence's first ``tokens`` tokens in one compiled step over an empty paged cache of its own (laid out as
+    ``cache_spec``), with the last token's logits: a function that runs it."""
+    spec = cache_spec
     blocks = -(-tokens // BLOCK_SIZE)
-    spec = kv_cache.KVCacheSpec(config.num_hidden_layers, config.num_key_value_heads, head_dim, BLOCK_SIZE,
-                                next(model.causal_lm.get_output_embeddings().parameters()).dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(tokens, device="cuda"),
         query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device="cuda"),
         seq_lens=torch.tensor([tokens], dtype=torch.int32, device="cuda"),
         block_tables=torch.arange(blocks, dtype=torch.int32, device="cuda")[None], max_query_len=tokens, num_seqs=1)
-    ctx = ForwardContext(kv_cache.allocate(spec, blocks, "cuda"), meta)
+    ctx = ForwardContext(kv_cache.allocate(spec, blocks, "cuda"), meta, kv_cache.allocate_scales(spec, 1.0, "cuda"))
     ids = torch.randint(0, vocab, (tokens,), device="cuda")
     positions = torch.arange(tokens, device="cuda")
 
@@ -128,10 +140,10 @@ def prefill_step(model, compiled, tokens: int, vocab: int):
     return step
 
 
-def prefill_ms(model, compiled, tokens: int, vocab: int) -> tuple[float, float]:
+def prefill_ms(model, compiled, tokens: int, vocab: int, cache_spec: kv_cache.KVCacheSpec) -> tuple[float, float]:
     """The step launched from Python, and captured in a CUDA graph and replayed (as Kiln replays a mixed step of up
     to its largest capture size): ms each."""
-    step = prefill_step(model, compiled, tokens, vocab)
+    step = prefill_step(model, compiled, tokens, vocab, cache_spec)
     launched = time_ms(step, iters=10)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -153,6 +165,7 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
     p.add_argument("--quantization", default="", choices=["", "fp8"],
                    help="fp8: the decoder's linears in FP8 (the bundle must be compiled with the same)")
     p.add_argument("--quantize-head", action="store_true", help="with --quantization fp8: the head in FP8 too")
+    p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3"], help="fp8_e4m3: an FP8 KV cache")
     p.add_argument("--no-kernel-pdl", action="store_true",
                    help="Kiln's FP8 GEMM without programmatic dependent launch (what it gives, by difference)")
     p.add_argument("--json-out", type=Path)
@@ -163,7 +176,9 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
 
 def main() -> None:
     args, sizes = decode_bench_args("1,2,4,8,16,32,64")
-    resolved, model, spec, caches, compiled, max_blocks = load_for_decode(args, sizes)
+    setup = load_for_decode(args, sizes)
+    resolved, model, spec, caches, compiled, max_blocks = (setup.resolved, setup.model, setup.spec, setup.caches,
+                                                           setup.compiled, setup.max_blocks)
     bandwidth = copy_bandwidth()
     w_bytes = weights_bytes(model)
     config = resolved.config
@@ -178,14 +193,14 @@ def main() -> None:
               for name, fn in (("kiln", compiled_forward), ("eager+graph", model))}
     for name, g in graphs.items():
         with expect_no_compile(f"capturing {name}"):
-            g.capture(caches)
+            g.capture(caches, kv_scales=setup.scales)
 
     rows = []
     for bs in sizes:
         meta = decode_metadata(bs, args.context, max_blocks)
         ids = torch.randint(0, vocab, (bs,), device="cuda")
         pos = torch.full((bs,), args.context, dtype=torch.int64, device="cuda")
-        ctx = ForwardContext(caches, meta)
+        ctx = ForwardContext(caches, meta, setup.scales)
         fill_step_buffers(buffers, ids, pos, meta)
 
         def eager(ctx=ctx, ids=ids, pos=pos):
@@ -210,7 +225,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s, weights {w_bytes / 1e9:.2f} GB, context {args.context}, "
-          f"{args.preset} bf16{' fp8 linears' if args.quantization else ''}, "
+          f"{args.preset} bf16{' fp8 linears' if args.quantization else ''}"
+          f"{' and head' if args.quantize_head else ''}{', FP8 KV' if args.kv_cache_dtype else ''}, "
           f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
     print("| batch | floor ms | Kiln (compiled+graph) ms | Kiln/floor | eager ms | eager+graph ms | compiled ms "
           "| HF transformers ms | HF/Kiln |")
@@ -219,7 +235,7 @@ def main() -> None:
         print(f"| {r['batch_size']} | {r['floor_ms']:.2f} | {r['kiln_ms']:.2f} | {r['kiln_ms'] / r['floor_ms']:.2f}x | "
               f"{r['eager_ms']:.2f} | {r['eager_graph_ms']:.2f} | {r['compiled_ms']:.2f} | {r['hf_ms']:.2f} | "
               f"{r['hf_ms'] / r['kiln_ms']:.1f}x |")
-    prefill = prefill_ms(model, compiled, args.prefill_tokens, vocab) if args.prefill_tokens else None
+    prefill = prefill_ms(model, compiled, args.prefill_tokens, vocab, spec) if args.prefill_tokens else None
     if prefill is not None:
         print(f"\none prefill step of {args.prefill_tokens} new tokens (compiled, last logits): {prefill[0]:.2f} ms "
               f"launched from Python, {prefill[1]:.2f} ms replayed from a CUDA graph")

@@ -85,35 +85,36 @@ def layer_table(kernels: dict[str, tuple[int, float]], layers: int) -> tuple[lis
 
 def main() -> None:
     args, sizes = decode_bench_args("1,8,32")
-    resolved, model, spec, caches, compiled, max_blocks = load_for_decode(args, sizes)
-    config = resolved.config
+    setup = load_for_decode(args, sizes)
+    model, compiled = setup.model, setup.compiled
+    config = setup.resolved.config
     layers = config.num_hidden_layers
     bandwidth = copy_bandwidth()
     layer_weight_bytes = weights_bytes(model.causal_lm.base_model.layers[0])
-    buffers = StepBuffers(max(sizes), max(sizes), max_blocks, BLOCK_SIZE, config.vocab_size, "cuda")
+    buffers = StepBuffers(max(sizes), max(sizes), setup.max_blocks, BLOCK_SIZE, config.vocab_size, "cuda")
     graphs = CUDAGraphs(lambda ids, pos: compiled(model, ids, pos), tuple(sizes), buffers, buffers.graph_metadata,
-                        config.hidden_size, resolved.dtype, torch.device("cuda"))
+                        config.hidden_size, setup.resolved.dtype, torch.device("cuda"))
     with expect_no_compile("capturing"):
-        graphs.capture(caches)
+        graphs.capture(setup.caches, kv_scales=setup.scales)
 
     report = {"preset": args.preset, "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
               "bandwidth": bandwidth, "weights_bytes": weights_bytes(model), "layer_weight_bytes": layer_weight_bytes,
               "quantization": args.quantization, "sizes": {}}
     for bs in sizes:
-        meta = decode_metadata(bs, args.context, max_blocks)
+        meta = decode_metadata(bs, args.context, setup.max_blocks)
         fill_step_buffers(buffers, torch.randint(0, config.vocab_size, (bs,), device="cuda"),
                           torch.full((bs,), args.context, dtype=torch.int64, device="cuda"), meta)
         padded = graphs.padded_size(bs)
         kernels = profile_step(lambda padded=padded, bs=bs: model.logits(graphs.replay(padded)[:bs]), STEPS)
         per_layer, rest = layer_table(kernels, layers)
-        kv_layer = bs * (args.context + 1) * spec.block_bytes // BLOCK_SIZE // layers
+        kv_layer = bs * (args.context + 1) * setup.spec.block_bytes // BLOCK_SIZE // layers
         floor_us = (layer_weight_bytes + kv_layer) / bandwidth * 1e6
         report["sizes"][bs] = {"layer_floor_us": floor_us, "per_layer": per_layer, "rest": rest,
                                "layer_us": sum(k["us"] for k in per_layer), "rest_us": sum(k["us"] for k in rest)}
         print(json.dumps({"batch_size": bs, "layer_floor_us": floor_us,
                           "layer_us": report["sizes"][bs]["layer_us"]}), flush=True)
     if args.prefill_tokens:
-        kernels = profile_step(prefill_step(model, compiled, args.prefill_tokens, config.vocab_size), 5)
+        kernels = profile_step(prefill_step(model, compiled, args.prefill_tokens, config.vocab_size, setup.spec), 5)
         per_layer, rest = layer_table(kernels, layers)
         report["sizes"][f"prefill {args.prefill_tokens}"] = {
             "layer_floor_us": None, "per_layer": per_layer, "rest": rest,
