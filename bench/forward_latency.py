@@ -168,6 +168,8 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
     p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3"], help="fp8_e4m3: an FP8 KV cache")
     p.add_argument("--no-kernel-pdl", action="store_true",
                    help="Kiln's FP8 GEMM without programmatic dependent launch (what it gives, by difference)")
+    p.add_argument("--kiln-only", action="store_true",
+                   help="time Kiln's step alone (A/B runs of one setting; the other columns print as -)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     programmatic_launch.ENABLED = not args.no_kernel_pdl
@@ -214,13 +216,12 @@ def main() -> None:
         def graphed(name, bs=bs):
             return lambda: model.logits(graphs[name].replay(graphs[name].padded_size(bs))[:bs])
 
-        hf_ms = hf_forward_ms(model, bs, args.context, vocab)
         kv_read = bs * (args.context + 1) * spec.block_bytes // BLOCK_SIZE
         floor_ms = (w_bytes + kv_read) / bandwidth * 1e3
-        row = {"batch_size": bs, "floor_ms": floor_ms,
-               "kiln_ms": time_ms(graphed("kiln")), "eager_ms": time_ms(eager),
-               "eager_graph_ms": time_ms(graphed("eager+graph")), "compiled_ms": time_ms(compiled_step),
-               "hf_ms": hf_ms}
+        row = {"batch_size": bs, "floor_ms": floor_ms, "kiln_ms": time_ms(graphed("kiln"))}
+        if not args.kiln_only:
+            row |= {"eager_ms": time_ms(eager), "eager_graph_ms": time_ms(graphed("eager+graph")),
+                    "compiled_ms": time_ms(compiled_step), "hf_ms": hf_forward_ms(model, bs, args.context, vocab)}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -232,9 +233,11 @@ def main() -> None:
           "| HF transformers ms | HF/Kiln |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        others = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in ("eager_ms", "eager_graph_ms", "compiled_ms",
+                                                                         "hf_ms"))
+        hf_ratio = f"{r['hf_ms'] / r['kiln_ms']:.1f}x" if "hf_ms" in r else "-"
         print(f"| {r['batch_size']} | {r['floor_ms']:.2f} | {r['kiln_ms']:.2f} | {r['kiln_ms'] / r['floor_ms']:.2f}x | "
-              f"{r['eager_ms']:.2f} | {r['eager_graph_ms']:.2f} | {r['compiled_ms']:.2f} | {r['hf_ms']:.2f} | "
-              f"{r['hf_ms'] / r['kiln_ms']:.1f}x |")
+              f"{others} | {hf_ratio} |")
     prefill = prefill_ms(model, compiled, args.prefill_tokens, vocab, spec) if args.prefill_tokens else None
     if prefill is not None:
         print(f"\none prefill step of {args.prefill_tokens} new tokens (compiled, last logits): {prefill[0]:.2f} ms "
@@ -277,7 +280,9 @@ def plot(rows, path: Path, preset: str) -> None:
     for key, label in (("kiln_ms", "Kiln (compiled + CUDA graph)"), ("compiled_ms", "compiled, no graph"),
                        ("eager_graph_ms", "eager + CUDA graph"), ("eager_ms", "eager"),
                        ("hf_ms", "HF transformers"), ("floor_ms", "memory-bandwidth floor")):
-        ax.plot(sizes, [r[key] for r in rows], marker="o", label=label, linestyle="--" if key == "floor_ms" else "-")
+        if key in rows[0]:  # (--kiln-only: Kiln and the floor)
+            ax.plot(sizes, [r[key] for r in rows], marker="o", label=label,
+                    linestyle="--" if key == "floor_ms" else "-")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch size (sequences, 1 new token each)")
