@@ -20,7 +20,7 @@ With TRITON_INTERPRET=1 and --check, it runs the candidates on the CPU against t
 
 usage: python bench/fp8_gemm.py [--tokens 1,32,2048]
        python bench/fp8_gemm.py --graphs --tokens 1,4,16,32
-       python bench/fp8_gemm.py --streamed --tokens 1,8,32
+       python bench/fp8_gemm.py --streamed --tokens 1,8,32 [--gemms down,o]
        TRITON_INTERPRET=1 python bench/fp8_gemm.py --check
 """
 
@@ -157,8 +157,10 @@ FP8_DOT_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 4), (128, 128, 1, 4, 4), 
                    (64, 128, 2, 4, 4), (64, 256, 2, 4, 4), (64, 128, 4, 4, 5), (64, 256, 4, 4, 4),
                    (128, 128, 4, 4, 4), (128, 256, 4, 8, 3), (64, 128, 8, 4, 4), (64, 256, 8, 4, 3))
 # A wider grid for --streamed: the split, K tile and pipeline depth around Kiln's picks, at 64 weight rows a program
-STREAMED_CONFIGS = tuple((64, block_k, splits, 4, stages) for block_k in (128, 256, 512) for splits in (1, 2, 4, 8)
-                         for stages in (3, 4, 6) if block_k * stages <= 1536)
+# (the FP8 wgmma's side), and at 32 (twice the programs without a split, so no reduce kernel)
+STREAMED_CONFIGS = tuple((block_n, block_k, splits, 4, stages) for block_n in (64, 32) for block_k in (128, 256, 512)
+                         for splits in (1, 2, 4, 8) for stages in (3, 4, 6)
+                         if block_k * stages <= 1536 and (block_n == 64 or splits <= 2))
 GEMV_CONFIGS = ((16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 1024, 1, 4, 2), (16, 512, 4, 4, 3), (32, 256, 4, 4, 3),
                 (16, 256, 8, 4, 4), (64, 128, 1, 4, 4), (32, 512, 2, 8, 3))
 
@@ -306,7 +308,7 @@ def streamed_row(m: int, name: str, n: int, k: int, l2: int) -> str:
             f"| {timed[config]:.1f} ({mb / timed[config]:.2f}) | {config} | {picked / timed[config]:.2f}x |")
 
 
-def streamed(tokens: list[int]) -> None:
+def streamed(tokens: list[int], names: list[str]) -> None:
     """Kiln's FP8 kernel at its own pick and at each of STREAMED_CONFIGS, and ``_scaled_mm``, each GEMM replayed
     over enough copies of its weight to exceed the L2: µs and the weight's TB/s, the pick against the best."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -317,7 +319,8 @@ def streamed(tokens: list[int]) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for m in tokens:
         for name, n, k in GEMMS:
-            print(streamed_row(m, name, n, k, l2), flush=True)
+            if name in names:
+                print(streamed_row(m, name, n, k, l2), flush=True)
 
 
 def check() -> None:
@@ -356,6 +359,7 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="check the candidates' values only (CPU: TRITON_INTERPRET=1)")
     p.add_argument("--streamed", action="store_true",
                    help="Kiln's FP8 kernel over a grid of configs, each GEMM streaming its weights from HBM in a graph")
+    p.add_argument("--gemms", default=",".join(name for name, _, _ in GEMMS), help="with --streamed: which GEMMs")
     p.add_argument("--graphs", action="store_true",
                    help="bf16, _scaled_mm, the FP8-dot and the weight-only swap-AB kernels, timed in CUDA graphs")
     args = p.parse_args()
@@ -363,7 +367,7 @@ def main() -> None:
         check()
         return
     if args.streamed:
-        streamed([int(t) for t in args.tokens.split(",")])
+        streamed([int(t) for t in args.tokens.split(",")], args.gemms.split(","))
         return
     if args.graphs:
         in_graphs([int(t) for t in args.tokens.split(",")])
