@@ -2,14 +2,16 @@
 per decoder layer, at a few batch sizes, each against the layer's share of the memory-bandwidth floor.
 
 A kernel is a layer's when it runs a multiple of num_hidden_layers times per step; the rest (embedding, final norm,
-the head and the logits) is listed once per step. The floor of a layer is its weight bytes plus the KV bytes its
+the head and the logits) is listed once per step, and so is a kernel the layers share with the rest (with
+--quantize-head the head's FP8 GEMM is Kiln's kernel too: its 4 x 32 + 1 calls are not a layer's, so time the layers
+without it). The floor of a layer is its weight bytes plus the KV bytes its
 attention reads, over the copy bandwidth measured in this run. With --prefill-tokens N the table gains one
 prefill step of N tokens from scratch (compiled, launched from Python, as a chunk past the mixed graphs runs):
 compute-bound, so it has no bandwidth floor.
 
 usage: python bench/layer_kernels.py --bundle STORE/KEY [--trusted-keys KEYS] [--preset llama-3-8b]
                                      [--batch-sizes 1,8,32] [--prefill-tokens 2048] [--quantization fp8]
-                                     [--json-out FILE]
+                                     [--kv-cache-dtype fp8_e4m3] [--json-out FILE]
 """
 
 import json
@@ -37,16 +39,20 @@ STEPS = 20  # replays profiled per batch size
 
 
 def kind_of(name: str) -> str:
-    """A kernel's role, from the names cuBLAS, Inductor and Kiln's attention and FP8 GEMM kernels give them."""
+    """A kernel's role, from the names cuBLAS, Inductor and Kiln's attention, quantize and FP8 GEMM kernels give them.
+    Inductor's names list the ops fused in them (an FP8 product's input quantize brings "fp8_mm" into a norm's), so
+    they are read first; Kiln's decode reduce is attention, its split-K ``reduce_kernel`` a GEMM's."""
     lowered = name.lower()
-    if re.search(r"gemm|gemv|nvjet|cutlass|xmma|sm90|splitk|matmul|mm_|swap_ab|reduce_kernel", lowered):
-        return "GEMM"
-    if "attention" in lowered or "decode" in lowered or "prefill" in lowered or "kv_" in lowered:
-        return "attention (Kiln)"
     if lowered.startswith("triton_red") or lowered.startswith("triton_per"):
         return "reduction (norm) fusion"
     if lowered.startswith("triton_poi"):
         return "pointwise fusion"
+    if "attention" in lowered or "decode" in lowered or "prefill" in lowered or "kv_" in lowered:
+        return "attention (Kiln)"
+    if re.search(r"gemm|gemv|nvjet|cutlass|xmma|sm90|splitk|matmul|mm_|swap_ab|^reduce_kernel", lowered):
+        return "GEMM"
+    if "quantize" in lowered:
+        return "quantize (Kiln)"
     if "memcpy" in lowered or "memset" in lowered or "copy" in lowered:
         return "copy"
     return "other"

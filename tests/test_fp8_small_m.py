@@ -24,8 +24,8 @@ SPLIT_M, MAX_M = 32, 128  # kiln.quantization.fp8_small_m's (it imports Triton, 
 
 # sms: the device's SM count, and as many as make K split 2-8 ways (up to SPLIT_M rows: past them K is not split) or
 # the tokens 64 a program (past 64 rows)
-@pytest.mark.parametrize("m, sms", [(m, sms) for m in (1, 5, 16, SPLIT_M) for sms in (None, 256)]
-                         + [(48, None), (100, 256), (MAX_M, None), (MAX_M, 256)])
+@pytest.mark.parametrize("m, sms", [(m, sms) for m in (1, 5, 16, SPLIT_M) for sms in (None, 1024)]
+                         + [(48, None), (100, 1024), (MAX_M, None), (MAX_M, 1024)])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     from kiln.quantization import fp8_small_m
@@ -51,7 +51,7 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
 
 
 # Each epilogue: the GEMM's own (one split, all tokens or 64 a program) and the split-K reduce's.
-@pytest.mark.parametrize("m, sms", [(1, None), (5, 256), (100, 256)])
+@pytest.mark.parametrize("m, sms", [(1, None), (5, 1024), (100, 1024)])
 def test_the_kernel_adds_the_residual(m, sms, monkeypatch):
     """``residual + product`` in the kernel's epilogue equals the float32 sum within the product's own bound and the
     sum's bf16 step (a residual large against the product, so that one left out or added twice cannot pass)."""
@@ -116,13 +116,18 @@ def test_fp8_mm_takes_the_kernel_for_decode_sized_steps_and_scaled_mm_past_them(
                     reason="programmatic dependent launch needs sm_90 or later")
 @pytest.mark.parametrize("m", [1, SPLIT_M])
 def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, monkeypatch):
-    """Llama-3-8B's MLP as the decode graph runs it (quantize, gate/up, SiLU x up quantize, down: split K with its
-    reduce at 1 row), replayed from CUDA graphs captured with and without programmatic dependent launch, each input
-    written just before the replay: a kernel reading its input before the one that writes it has ended would differ.
+    """Llama-3-8B's MLP as the decode graph runs it (quantize, gate/up, SiLU x up quantize, down), replayed from CUDA
+    graphs captured with and without programmatic dependent launch, each input written just before the replay: a
+    kernel reading its input before the one that writes it has ended would differ. The kernel sees 1,024 SMs, so that
+    down splits K and its reduce runs in the chain too.
     """
     from kiln import programmatic_launch
+    from kiln.quantization import fp8_small_m
     from kiln.quantization.fp8_small_m import small_m_mm
     from kiln.quantization.quantize_kernel import quantize_rows_fp8
+
+    monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: 1024)
+    assert fp8_small_m.split_k(4096, 14336, 256, 1024) > 1
 
     torch.manual_seed(0)
     gate_up, gate_up_scale = quantize_rows(torch.randn(28672, 4096, device="cuda") * 0.02)

@@ -4,8 +4,8 @@ On CUDA 12.9+ PyTorch hands a row-wise ``_scaled_mm`` to cuBLASLt, which runs ev
 128 x 128 tile: an FP8 decode layer took 2.81x its weight-read floor on the H200, longer than bf16's (BENCHMARKS.md,
 "FP8 decode"). This kernel puts the weight first in the FP8 tensor-core dot ("swap A and B", as vLLM's and
 CUTLASS's small-M configs do: the weight's rows are the dot's 64-row side, the few tokens the other) and, up to
-SPLIT_M rows, splits K so that more SMs stream weight bytes where the weight's rows are few (until half the SMs have
-a program), the partial sums added by a second kernel. Past 64 rows the tokens are split instead, 64 a program, where
+SPLIT_M rows, splits K so that more SMs stream weight bytes where the weight's rows are very few (until a quarter of
+the SMs have a program), the partial sums added by a second kernel, and pipelines DEEP_STAGES tiles deep. Past 64 rows the tokens are split instead, 64 a program, where
 the weight's row tiles times the token tiles still fit one wave of SMs: the two programs of a weight tile read it
 once from HBM between them, and twice as many SMs stream it (Llama-3-8B's o and down 9-20% faster at 96-128 rows on
 the H200; q/k/v, whose 96 row tiles would need two waves, 41-49% slower so, keep all tokens in a program).
@@ -23,6 +23,7 @@ from kiln.shared_memory import max_shared_bytes
 
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
 NUM_WARPS, NUM_STAGES = 4, 4
+DEEP_STAGES = 6  # the pipeline's depth up to SPLIT_M rows, where the device's shared memory holds it
 SPLIT_M = 32  # rows up to which the kernel takes every product, K split as split_k says
 MAX_M = 128  # rows up to which it takes the products whose weight cuBLASLt's tiles spread thin
 CUBLAS_TILE_N = 128  # weight rows a cuBLASLt FP8 tile covers at these sizes (nvjet_sm90_qqtst_128x128)
@@ -121,13 +122,24 @@ def takes(m: int, n: int, k: int, device: torch.device) -> bool:
 
 
 def split_k(n: int, k: int, block_k: int, sms: int) -> int:
-    """The fewest splits of K that give half the SMs a program (at most MAX_SPLIT_K; each split whole BLOCK_Ks).
-    Splitting further, to two programs an SM, made the H200's 8B decode step slower (4.14 against 3.46 ms at bs 1,
-    6.68 against 4.87 at bs 32: the partials and the reduce cost more than the extra programs gave)."""
+    """The fewest splits of K that give a quarter of the SMs a program (at most MAX_SPLIT_K; each split whole
+    BLOCK_Ks). With DEEP_STAGES, Llama-3-8B's o and down (64 tiles: half an H100's SMs) streamed their weights 8–17%
+    faster unsplit than split in two with the reduce after, at 1–32 rows (bench/fp8_gemm.py --streamed,
+    BENCHMARKS.md); splitting to two programs an SM made the H200's decode step slower (4.14 against 3.46 ms at bs 1:
+    the partials and the reduce cost more than the extra programs gave)."""
     tiles, splits = triton.cdiv(n, BLOCK_N), 1
-    while tiles * splits < sms // 2 and splits < MAX_SPLIT_K and k % (block_k * splits * 2) == 0:
+    while tiles * splits < sms // 4 and splits < MAX_SPLIT_K and k % (block_k * splits * 2) == 0:
         splits *= 2
     return splits
+
+
+def stages(m: int, block_m: int, block_k: int, device: torch.device) -> int:
+    """The pipeline's depth: DEEP_STAGES up to SPLIT_M rows where its tiles fit the device's shared memory (6 x 80 x
+    256 bytes at 16 rows: an H100 streamed each of Llama-3-8B's weights 2–14% faster so than with NUM_STAGES, at 1–32
+    rows), else NUM_STAGES (past SPLIT_M rows the 48–128-row sweep, which had no deeper pipeline, picked 4)."""
+    fits = device.type != "cuda" or DEEP_STAGES * (BLOCK_N + block_m) * block_k <= max_shared_bytes(device)
+    deep = m <= SPLIT_M and fits  # (TRITON_INTERPRET=1 runs CPU tensors: no shared memory to fit)
+    return DEEP_STAGES if deep else NUM_STAGES
 
 
 def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -143,7 +155,8 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     if config is None:
         block_k, sms = _block_k(k), _num_sms(q.device)
         splits = split_k(n, k, block_k, sms) if m <= SPLIT_M else 1
-        config = (BLOCK_N, block_k, splits, NUM_WARPS, NUM_STAGES, tokens_a_program(m, n, sms))
+        block_m = tokens_a_program(m, n, sms)
+        config = (BLOCK_N, block_k, splits, NUM_WARPS, stages(m, block_m, block_k, q.device), block_m)
     block_n, block_k, splits, num_warps, num_stages, *block_m = config
     block_m = block_m[0] if block_m else _block_m(m)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
