@@ -4,11 +4,12 @@ On CUDA 12.9+ PyTorch hands a row-wise ``_scaled_mm`` to cuBLASLt, which runs ev
 128 x 128 tile: an FP8 decode layer took 2.81x its weight-read floor on the H200, longer than bf16's (BENCHMARKS.md,
 "FP8 decode"). This kernel puts the weight first in the FP8 tensor-core dot ("swap A and B", as vLLM's and
 CUTLASS's small-M configs do: the weight's rows are the dot's 64-row side, the few tokens the other) and, up to
-SPLIT_M rows, splits K so that more SMs stream weight bytes where the weight's rows are very few (until a quarter of
-the SMs have a program), the partial sums added by a second kernel, and pipelines DEEP_STAGES tiles deep. Past 64 rows the tokens are split instead, 64 a program, where
-the weight's row tiles times the token tiles still fit one wave of SMs: the two programs of a weight tile read it
-once from HBM between them, and twice as many SMs stream it (Llama-3-8B's o and down 9-20% faster at 96-128 rows on
-the H200; q/k/v, whose 96 row tiles would need two waves, 41-49% slower so, keep all tokens in a program).
+SPLIT_M rows, pipelines DEEP_STAGES tiles deep and splits K so that more SMs stream weight bytes where the weight's
+rows are very few (until a quarter of the SMs have a program), the partial sums added by a second kernel. Past 64
+rows the tokens are split instead, 64 a program, where the weight's row tiles times the token tiles still fit one
+wave of SMs: the two programs of a weight tile read it once from HBM between them, and twice as many SMs stream it
+(Llama-3-8B's o and down 9-20% faster at 96-128 rows on the H200; q/k/v, whose 96 row tiles would need two waves,
+41-49% slower so, keep all tokens in a program).
 """
 
 import functools
