@@ -70,3 +70,23 @@ def test_no_rows_is_no_launch():
 
     q, scale = quantize_rows_fp8(torch.empty(0, 256, device=DEVICE, dtype=torch.bfloat16))
     assert q.shape == (0, 256) and scale.shape == (0, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="eager products take the kernel on CUDA only")
+def test_an_eager_fp8_product_quantizes_its_input_in_one_kernel():
+    """An FP8 product outside a compiled layer (the FP8 head, after the decode graph) quantizes its input with Kiln's
+    kernel, one launch where the torch ops are eight, as ``quantize_tokens`` does within the kernel's bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kiln.quantization.fp8_linear import fp8_linear, quantize_input, quantize_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    weight, weight_scale = quantize_rows(torch.randn(512, 4096, device="cuda") * 0.02)
+    assert_same_quantize(quantize_input(x), quantize_tokens(x), exact_share=0.99)
+    fp8_linear(x, weight, weight_scale, None, None)  # the kernels built outside the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fp8_linear(x, weight, weight_scale, None, None)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("_quantize_kernel" in name for name in kernels) == 1 and len(kernels) <= 3, kernels

@@ -37,6 +37,7 @@ def profile_memory(token_model: TokenModel, config: EngineConfig) -> int:
         hidden = token_model(torch.zeros(tokens, dtype=torch.int64, device=device), torch.arange(tokens, device=device))
         rows = min(config.max_num_seqs, tokens)
         sample(token_model.logits(hidden[:rows]), _profile_sampling(rows, device))
+        token_model.logits(hidden[:1])  # an FP8 head's kernels at a decode's few rows: their variants built here
     peak = 0
     if cuda:
         torch.cuda.synchronize()

@@ -31,11 +31,21 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     return q, scale.expand(x.shape[0], 1).contiguous()
 
 
+def quantize_input(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dynamic per-token quantize of a product's input [M, K]: ``kiln::quantize_tokens`` where it is traced (a
+    compiled layer fuses it, or routes it to Kiln's kernel: activation_quant), and run eagerly on CUDA Kiln's kernel
+    (one launch where the torch ops are eight: the FP8 head, after the compiled layers, at ~2 µs a launch in a
+    decode step's graph)."""
+    if rows.is_cuda and rows.stride(-1) == 1 and not torch.compiler.is_compiling():
+        return torch.ops.kiln.quantize_kernel(rows, None)
+    return torch.ops.kiln.quantize_tokens(rows)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                input_scale: torch.Tensor | None) -> torch.Tensor:
     """``x`` [..., K] times float8 ``weight`` [N, K] with row scales ``weight_scale`` [N] -> [..., N] in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    q, scale = torch.ops.kiln.quantize_tokens(rows) if input_scale is None else quantize_static(rows, input_scale)
+    q, scale = quantize_input(rows) if input_scale is None else quantize_static(rows, input_scale)
     # cuBLASLt's row-wise scaling writes bfloat16 only; the CPU writes any dtype.
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     out = fp8_mm(q, scale, weight, weight_scale, out_dtype)
