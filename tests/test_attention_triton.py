@@ -367,13 +367,17 @@ def test_a_mixed_graph_replays_any_mix_of_rows_within_its_size():
 
 
 def test_write_kv_skips_padding_slots():
+    """Padding slots (< 0) write nothing into the cache; given the attention output, the KV write sets the rows of
+    those tokens to zeros (no attention kernel writes them) and leaves every other row as it was."""
     from kiln.attention import triton_kernels as attention_triton
 
     case = make_case([40, 9, 70], [40, 9, 3], 8, 2, 64, 16, torch.bfloat16, padding_rows=4)
     slots = case.meta.slot_mapping
     slots[::2] = -1
     before = case.kv_cache.clone()
-    attention_triton.write_kv(case.k, case.v, case.kv_cache, slots)
+    out = torch.full_like(case.q, float("nan"))
+    attention_triton.write_kv(case.k, case.v, case.kv_cache, slots, out=out)
+    assert not out[slots < 0].any() and out[slots >= 0].isnan().all()
     flat = case.kv_cache.view(2, -1, *case.kv_cache.shape[3:])
     written = slots >= 0
     assert torch.equal(flat[0, slots[written]], case.k[written])

@@ -33,9 +33,8 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
 
 def quantize_input(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The dynamic per-token quantize of a product's input [M, K]: ``kiln::quantize_tokens`` where it is traced (a
-    compiled layer fuses it, or routes it to Kiln's kernel: activation_quant), and run eagerly on CUDA Kiln's kernel
-    (one launch where the torch ops are eight: the FP8 head, after the compiled layers, at ~2 µs a launch in a
-    decode step's graph)."""
+    compiled layer fuses it, or routes it to Kiln's kernel: activation_quant), and run eagerly on CUDA Kiln's kernel:
+    one launch where the torch ops are eight, for the FP8 head, which runs eagerly after each step's graph."""
     if rows.is_cuda and rows.stride(-1) == 1 and not torch.compiler.is_compiling():
         return torch.ops.kiln.quantize_kernel(rows, None)
     return torch.ops.kiln.quantize_tokens(rows)
