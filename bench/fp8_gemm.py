@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kiln.quantization.activation_quant import quantize_tokens
 from kiln.quantization.fp8_linear import fp8_linear, quantize_rows
-from kiln.quantization.fp8_small_m import REDUCE_BLOCK, reduce_kernel, small_m_mm
+from kiln.quantization.fp8_small_m import M_TILE, REDUCE_BLOCK, reduce_kernel, small_m_mm
 
 # (name, out_features, in_features) of Llama-3-8B's merged projections
 GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -296,7 +296,10 @@ def streamed_row(m: int, name: str, n: int, k: int, l2: int) -> str:
                                                   use_fast_accum=True), copies)
     picked = streamed_us(lambda i: small_m_mm(xq, token_scale, *weights[i]), copies)
     timed = {}
-    for c in STREAMED_CONFIGS:
+    configs = [c for c in STREAMED_CONFIGS if c[2] == 1 or m <= 32]  # (past 32 rows K is not split)
+    if m > M_TILE:  # the tokens split too, 64 a program, as Kiln splits them where its tiles fit one wave
+        configs += [(*c, M_TILE) for c in configs]
+    for c in configs:
         if k % (c[1] * c[2]) == 0:
             try:
                 timed[c] = streamed_us(lambda i, c=c: small_m_mm(xq, token_scale, *weights[i], config=c), copies)
