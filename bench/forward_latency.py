@@ -119,10 +119,10 @@ def load_for_decode(args: argparse.Namespace, sizes: list[int]) -> DecodeSetup:
                        max_blocks)
 
 
-def prefill_step(model, compiled, tokens: int, vocab: int, cache_spec: kv_cache.KVCacheSpec):
+def prefill_step(model, compiled, tokens: int, vocab: int, spec: kv_cache.KVCacheSpec):
     """One sequence's first ``tokens`` tokens in one compiled step over an empty paged cache of its own (laid out as
-    ``cache_spec``), with the last token's logits: a function that runs it."""
-    spec = cache_spec
+    ``spec``, the decode's: its dtype is the model's or the --kv-cache-dtype, never the head's), with the last token's
+    logits: a function that runs it."""
     blocks = -(-tokens // BLOCK_SIZE)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(tokens, device="cuda"),
@@ -140,10 +140,10 @@ def prefill_step(model, compiled, tokens: int, vocab: int, cache_spec: kv_cache.
     return step
 
 
-def prefill_ms(model, compiled, tokens: int, vocab: int, cache_spec: kv_cache.KVCacheSpec) -> tuple[float, float]:
+def prefill_ms(model, compiled, tokens: int, vocab: int, spec: kv_cache.KVCacheSpec) -> tuple[float, float]:
     """The step launched from Python, and captured in a CUDA graph and replayed (as Kiln replays a mixed step of up
     to its largest capture size): ms each."""
-    step = prefill_step(model, compiled, tokens, vocab, cache_spec)
+    step = prefill_step(model, compiled, tokens, vocab, spec)
     launched = time_ms(step, iters=10)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
