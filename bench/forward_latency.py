@@ -189,7 +189,7 @@ def main() -> None:
     def compiled_forward(ids, pos):
         return compiled(model, ids, pos)
 
-    buffers = StepBuffers(max(sizes), max(sizes), max_blocks, BLOCK_SIZE, vocab, "cuda")
+    buffers = StepBuffers(max(sizes), max(sizes), max_blocks, BLOCK_SIZE, vocab, "cuda", spec.num_kv_heads)
     graphs = {name: CUDAGraphs(fn, tuple(sizes), buffers, buffers.graph_metadata, config.hidden_size, resolved.dtype,
                                torch.device("cuda"))
               for name, fn in (("kiln", compiled_forward), ("eager+graph", model))}

@@ -97,7 +97,8 @@ def main() -> None:
     layers = config.num_hidden_layers
     bandwidth = copy_bandwidth()
     layer_weight_bytes = weights_bytes(model.causal_lm.base_model.layers[0])
-    buffers = StepBuffers(max(sizes), max(sizes), setup.max_blocks, BLOCK_SIZE, config.vocab_size, "cuda")
+    buffers = StepBuffers(max(sizes), max(sizes), setup.max_blocks, BLOCK_SIZE, config.vocab_size, "cuda",
+                          setup.spec.num_kv_heads)
     graphs = CUDAGraphs(lambda ids, pos: compiled(model, ids, pos), tuple(sizes), buffers, buffers.graph_metadata,
                         config.hidden_size, setup.resolved.dtype, torch.device("cuda"))
     with expect_no_compile("capturing"):

@@ -159,16 +159,37 @@ DECODE_SHAPES = [
 ]
 
 
+def with_split_counters(case: Case, rows: int = 0) -> torch.Tensor:
+    """Give the case's step the counters the runner keeps (StepBuffers.split_counters: ``rows``, default a row more
+    than the step's): the decode's splits merged by the last of each (sequence, kv head) to end, no reduce kernel.
+    Returns them."""
+    rows = rows or case.meta.seq_lens.shape[0] + 1
+    counters = torch.zeros(rows, case.k.shape[1], dtype=torch.int32, device=DEVICE)
+    case.meta = dataclasses.replace(case.meta, split_counters=counters)
+    return counters
+
+
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
 @pytest.mark.parametrize("padding_rows", [0, 3])
-def test_decode(shape, padding_rows):
+@pytest.mark.parametrize("merged", [False, True], ids=["reduce", "last-split-merges"])
+def test_decode(shape, padding_rows, merged, monkeypatch):
+    """Decodes against the reference, their splits merged by the reduce kernel or by the last split; under Triton's
+    interpreter (one "SM") as if on 64 SMs, so that every context splits there too."""
+    from kiln.attention import triton_kernels as attention_triton
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 64)
     batch, num_heads, num_kv_heads, head_dim, block_size, dtype = shape
     rng = random.Random(str((shape, padding_rows)))
     seq_lens = [rng.randint(1, 4000) for _ in range(batch)]
     seq_lens[0] = 1
     if batch > 2:
         seq_lens[1] = 4000
-    check(make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, padding_rows))
+    case = make_case(seq_lens, [1] * batch, num_heads, num_kv_heads, head_dim, block_size, dtype, padding_rows)
+    counters = with_split_counters(case) if merged else None
+    check(case)
+    assert counters is None or not counters.any()  # each count back to zero for the next layer's call
+    assert attention_triton._decode_splits(batch + padding_rows, num_kv_heads, 4000, case.q.device) > 1
 
 
 @pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter builds no kernels")
@@ -295,7 +316,7 @@ def as_mixed_graph(case: Case, num_tokens: int, num_rows: int) -> Case:
         seq_lens=torch.cat([meta.seq_lens, torch.zeros(extra_rows, dtype=torch.int32, device=device)]),
         block_tables=torch.cat([meta.block_tables, torch.zeros(extra_rows, meta.block_tables.shape[1],
                                                                dtype=torch.int32, device=device)]),
-        max_query_len=num_tokens, num_seqs=num_rows, any_rows=True)
+        max_query_len=num_tokens, num_seqs=num_rows, any_rows=True, split_counters=meta.split_counters)
     return Case(q, k, v, case.kv_cache, graph_meta, case.scale, case.layer)
 
 
@@ -309,6 +330,7 @@ def test_a_mixed_graph_step_gives_the_steps_own_attention(dtype, window):
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter computes bfloat16 dots wrongly (numpy has no bfloat16); the GPU runs these")
     case = make_case([40, 9, 70, 33, 5], [1, 1, 30, 1, 5], 8, 2, 64, 16, dtype, window=window)
+    counters = with_split_counters(case, rows=12)
     real = case.q.shape[0]
     ref_cache = case.kv_cache.clone()
     ref = attention_reference.paged_attention(case.q, case.k, case.v, ref_cache, case.meta, case.scale, **case.layer)
@@ -316,7 +338,7 @@ def test_a_mixed_graph_step_gives_the_steps_own_attention(dtype, window):
     out = attention_triton.paged_attention(graph.q, graph.k, graph.v, graph.kv_cache, graph.meta, graph.scale,
                                            **graph.layer)
     torch.testing.assert_close(graph.kv_cache, ref_cache, rtol=0, atol=0, equal_nan=True)
-    assert not out[real:].any()
+    assert not out[real:].any() and not counters.any()
     assert relative_error(out[:real], ref) < TOLERANCE[dtype]
 
 

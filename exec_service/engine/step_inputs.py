@@ -166,7 +166,7 @@ class StepBuffers:
     """The step inputs of one model: ``prepare`` fills them for a batch; CUDA graphs capture their device views."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int, vocab_size: int,
-                 device: str):
+                 device: str, num_kv_heads: int = 0):
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks_per_seq
         self.block_size, self.vocab_size, self.device = block_size, vocab_size, device
         self._long = _Packed(torch.int64, dict(
@@ -180,6 +180,10 @@ class StepBuffers:
                                               block_table_rows=max_seqs * max_blocks_per_seq), device)
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.sampled_host = [torch.zeros(max_seqs, dtype=torch.int64, pin_memory=device == "cuda") for _ in range(2)]
+        # The decode kernels' split counters (AttentionMetadata.split_counters), on CUDA, for a cache of
+        # num_kv_heads heads (this rank's).
+        self.split_counters = (torch.zeros(max_seqs, num_kv_heads, dtype=torch.int32, device=device)
+                               if num_kv_heads and device == "cuda" else None)
         self.input_ids = self._long.device_view("input_ids")
         self.positions = self._long.device_view("positions")
         self.slot_mapping = self._long.device_view("slot_mapping")
@@ -191,15 +195,16 @@ class StepBuffers:
         self._steps = 0
 
     @classmethod
-    def for_config(cls, config: EngineConfig, vocab_size: int) -> "StepBuffers":
+    def for_config(cls, config: EngineConfig, vocab_size: int, num_kv_heads: int = 0) -> "StepBuffers":
         return cls(config.max_num_batched_tokens, config.max_num_seqs, config.max_blocks_per_seq, config.block_size,
-                   vocab_size, config.device)
+                   vocab_size, config.device, num_kv_heads)
 
     def graph_metadata(self, size: int) -> AttentionMetadata:
         """The metadata a decode graph of ``size`` rows is captured with: views of the device buffers."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1, num_seqs=size)
+            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], max_query_len=1, num_seqs=size,
+            split_counters=self.split_counters)
 
     def mixed_rows(self, num_tokens: int) -> int:
         """The sequence rows of a mixed graph of ``num_tokens``: as many as such a step can hold."""
@@ -212,7 +217,7 @@ class StepBuffers:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.query_start_loc[:rows + 1],
             seq_lens=self.seq_lens[:rows], block_tables=self.block_tables[:rows], max_query_len=num_tokens,
-            num_seqs=rows, any_rows=True)
+            num_seqs=rows, any_rows=True, split_counters=self.split_counters)
 
     def prepare(self, batch: ScheduledBatch, padded_seqs: int | None = None,
                 previous_sampled: torch.Tensor | None = None,
@@ -270,6 +275,7 @@ class StepBuffers:
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping[:total_tokens], query_start_loc=self.query_start_loc[:total_seqs + 1],
             seq_lens=self.seq_lens[:total_seqs], block_tables=self.block_tables[:total_seqs],
-            max_query_len=step.max_query_len, num_seqs=step.num_seqs, num_decodes=step.num_decodes)
+            max_query_len=step.max_query_len, num_seqs=step.num_seqs, num_decodes=step.num_decodes,
+            split_counters=self.split_counters)
         return StepInputs(self.input_ids[:total_tokens], self.positions[:total_tokens], metadata,
                           long.device_view("sample_rows")[:num_samples], sampling)

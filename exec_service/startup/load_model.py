@@ -242,7 +242,7 @@ def _start_on_device(phases: "_Phases", target: LoadTarget, fetcher: BundleFetch
                 span.set_attributes({spans.NUM_KV_BLOCKS: kv.num_blocks, spans.KV_CACHE_BYTES: kv.bytes})
             span.set_attribute(spans.ACTIVATION_PEAK_BYTES, activation_peak)
 
-        buffers = StepBuffers.for_config(config, target.resolved.config.vocab_size)
+        buffers = StepBuffers.for_config(config, target.resolved.config.vocab_size, kv_spec.num_kv_heads)
         # A few blocks for the warm-ups and the graphs' measure before the real cache exists.
         scratch_kv = kv.caches if kv else kv_cache.allocate(kv_spec, warm_up_blocks(config.block_size), config.device)
         scratch_scales = kv.scales if kv else kv_cache.allocate_scales(kv_spec, config.kv_cache_scale, config.device)

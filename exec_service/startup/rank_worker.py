@@ -149,7 +149,7 @@ def _start_serving(shard: _Shard, control: dist.ProcessGroup) -> RankServing:
     if config.runtime_mode != RuntimeMode.CUDAGRAPH:  # as rank 0, once the groups exist
         return RankServing(shard.forward, size_kv(0))
 
-    buffers = StepBuffers.for_config(config, shard.resolved.config.vocab_size)
+    buffers = StepBuffers.for_config(config, shard.resolved.config.vocab_size, shard.kv_spec.num_kv_heads)
     scratch_scales = kv_cache.allocate_scales(shard.kv_spec, config.kv_cache_scale, config.device)
     graphs = capture_graphs(shard.forward, config, shard.resolved, buffers, (shard.scratch_kv, scratch_scales),
                             size_kv)

@@ -30,6 +30,9 @@ class AttentionMetadata:
     # A CUDA graph's step, captured for any mix of rows: the decode and prefill kernels both run over every row,
     # each taking the rows its query length selects; max_query_len is the graph's token count, a bound.
     any_rows: bool = False
+    # [>= B, Hkv] int32, zeros between steps, kept by the runner (StepBuffers) across steps and graph replays: with
+    # it the decode's splits of each (sequence, kv head) are merged by the last to end, without a reduce kernel.
+    split_counters: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

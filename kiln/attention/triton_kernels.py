@@ -304,6 +304,7 @@ def _decode_split_kernel(
     out_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    counters_ptr,
     qk_scale,
     cap_scale,
     window,
@@ -323,6 +324,7 @@ def _decode_split_kernel(
     stride_plh,
     stride_ot,
     stride_oh,
+    stride_counters,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -332,13 +334,17 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Attend the query heads of one kv head over one split of one sequence's context (its window's tail of it).
 
-    Writes the split's normalised output and its log2-sum-exp (-inf for an empty split) for the reduce kernel; with
-    one split, the output row itself, and no reduce runs (num_splits is not specialised on: a branch, not a
-    variant). KV_SCALED (an FP8 cache): the head's key scale is folded into the scores' scale, its value scale into
-    the output.
+    Writes the split's normalised output and its log2-sum-exp (-inf for an empty split); with one split, the output
+    row itself (num_splits is not specialised on: a branch, not a variant). Several splits are merged by the reduce
+    kernel, or with MERGE by the split of each (sequence, kv head) that ends last: each counts itself in on
+    ``counters`` [B, Hkv] (zeros between calls), and the one that counts the last merges the partials and sets
+    the count back to zero. KV_SCALED (an FP8 cache): the head's key scale is folded into the scores' scale, its
+    value scale into the output.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -404,14 +410,38 @@ def _decode_split_kernel(
         out = out * tl.load(v_scale_ptr + kv_head)
     row_mask = groups < GROUP
     out_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    dest = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     if num_splits == 1:  # rows that are not decodes are left to the prefill kernel, as the reduce leaves them
-        dest = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dest, out.to(out_ptr.dtype.element_ty), mask=out_mask & has_query)
     else:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        part = part_out_ptr + seq.to(tl.int64) * stride_pob + split * stride_pos
-        tl.store(part + heads[:, None] * stride_poh + dims[None, :], out, mask=out_mask)
-        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_plb + heads * stride_plh + split, lse, mask=row_mask)
+        part = part_out_ptr + seq.to(tl.int64) * stride_pob
+        lse_row = part_lse_ptr + seq.to(tl.int64) * stride_plb + heads * stride_plh
+        tl.store(part + split * stride_pos + heads[:, None] * stride_poh + dims[None, :], out, mask=out_mask)
+        tl.store(lse_row + split, lse, mask=row_mask)
+        if MERGE:
+            # Every thread's partials written before the count (CUDA's last-block pattern: barrier, then one
+            # acquire-release atomic); the merge reads them from L2 (.cg), never from a stale L1 line.
+            tl.debug_barrier()
+            counter = counters_ptr + seq.to(tl.int64) * stride_counters + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                splits = tl.arange(0, BLOCK_S)
+                lses = tl.load(lse_row[:, None] + splits[None, :], mask=row_mask[:, None] & (splits < num_splits),
+                               other=float("-inf"), cache_modifier=".cg")
+                top = tl.max(lses, 1)
+                top = tl.where(top == float("-inf"), 0.0, top)
+                total = tl.zeros([BLOCK_G], tl.float32)
+                merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                for s in range(0, num_splits):
+                    weight = tl.exp2(tl.load(lse_row + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+                                     - top)
+                    partial = tl.load(part + s * stride_pos + heads[:, None] * stride_poh + dims[None, :],
+                                      mask=out_mask, other=0.0, cache_modifier=".cg")
+                    merged += weight[:, None] * partial
+                    total += weight
+                merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(dest, merged.to(out_ptr.dtype.element_ty), mask=out_mask & has_query)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=DECODE_SPLIT_ARGS)
@@ -718,6 +748,8 @@ def _decode(
         block_n, num_warps, num_stages = DECODE_TILE_FP8
     else:
         block_n, num_warps, num_stages = DECODE_TILE_ONE_SPLIT if num_splits == 1 else DECODE_TILE
+    counters = meta.split_counters
+    merge = counters is not None and counters.shape[0] >= batch and counters.shape[1] == num_kv_heads
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -729,6 +761,7 @@ def _decode(
         part_lse,
         out,
         *_kv_scales(kv_scale),
+        counters if merge else None,
         qk_scale,
         cap_scale,
         window,
@@ -739,6 +772,7 @@ def _decode(
         *part_out.stride()[:3],
         *part_lse.stride()[:2],
         *out.stride()[:2],
+        counters.stride(0) if merge else 0,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -748,10 +782,12 @@ def _decode(
         SOFTCAP=softcap > 0,
         DOT_PRECISION=_dot_precision(q.dtype),
         KV_SCALED=kv_scale is not None,
+        MERGE=merge,
+        BLOCK_S=MAX_DECODE_SPLITS,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits == 1:
+    if num_splits == 1 or merge:
         return  # the split kernel wrote the output: the reduce would be a copy (~18 µs a layer at 128 rows, H100)
     _decode_reduce_kernel[(batch, num_heads)](
         part_out,
