@@ -4,8 +4,9 @@ Same semantics as ``kiln.attention.reference.paged_attention``, in three kernels
 
 - ``_write_kv_kernel`` stores the step's keys and values at their cache slots (padding slots < 0 are skipped).
 - Decode (every sequence has one query token) is flash-decoding: a program owns one sequence, one kv head and one
-  split of the context, attends all query heads of that kv head at once (K/V are read once per GQA group), and a
-  second kernel merges the splits by their log-sum-exp. The grid depends only on tensor shapes and the device, and
+  split of the context, attends all query heads of that kv head at once (K/V are read once per GQA group), and the
+  splits are merged by their log-sum-exp: by the split of each (sequence, kv head) that ends last, on the counters
+  the runner keeps (``AttentionMetadata.split_counters``), else by a second kernel. The grid depends only on tensor shapes and the device, and
   the kernels read sequence lengths and block tables on the device, so a decode step captured in a CUDA graph
   stays correct when it is replayed with other lengths and tables.
 - Every other step (prefill, mixed prefill and decode, prefill over a cached prefix) runs one varlen
