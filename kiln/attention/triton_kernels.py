@@ -6,9 +6,9 @@ Same semantics as ``kiln.attention.reference.paged_attention``, in three kernels
 - Decode (every sequence has one query token) is flash-decoding: a program owns one sequence, one kv head and one
   split of the context, attends all query heads of that kv head at once (K/V are read once per GQA group), and the
   splits are merged by their log-sum-exp: by the split of each (sequence, kv head) that ends last, on the counters
-  the runner keeps (``AttentionMetadata.split_counters``), else by a second kernel. The grid depends only on tensor shapes and the device, and
-  the kernels read sequence lengths and block tables on the device, so a decode step captured in a CUDA graph
-  stays correct when it is replayed with other lengths and tables.
+  the runner keeps (``AttentionMetadata.split_counters``), else by a second kernel. The grid depends only on tensor
+  shapes and the device, and the kernels read sequence lengths and block tables on the device, so a decode step
+  captured in a CUDA graph stays correct when it is replayed with other lengths and tables.
 - Every other step (prefill, mixed prefill and decode, prefill over a cached prefix) runs one varlen
   flash-attention launch: the new tokens are written first, and each sequence's queries sit at the end of its
   context (causal); the cached prefix is read through the block table, the step's own tokens from its k/v where
