@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kiln.quantization.activation_quant import quantize_tokens
 from kiln.quantization.fp8_linear import fp8_linear, quantize_rows
-from kiln.quantization.fp8_small_m import M_TILE, REDUCE_BLOCK, reduce_kernel, small_m_mm
+from kiln.quantization.fp8_small_m import M_TILE, REDUCE_BLOCK, SPLIT_M, reduce_kernel, small_m_mm
 
 # (name, out_features, in_features) of Llama-3-8B's merged projections
 GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -295,20 +295,14 @@ def streamed_row(m: int, name: str, n: int, k: int, l2: int) -> str:
                                                   scale_b=weights[i][1].reshape(1, -1), out_dtype=torch.bfloat16,
                                                   use_fast_accum=True), copies)
     picked = streamed_us(lambda i: small_m_mm(xq, token_scale, *weights[i]), copies)
-    timed = {}
-    configs = [c for c in STREAMED_CONFIGS if c[2] == 1 or m <= 32]  # (past 32 rows K is not split)
+    configs = [c for c in STREAMED_CONFIGS if c[2] == 1 or m <= SPLIT_M]  # (past SPLIT_M rows K is not split)
     if m > M_TILE:  # the tokens split too, 64 a program, as Kiln splits them where its tiles fit one wave
         configs += [(*c, M_TILE) for c in configs]
-    for c in configs:
-        if k % (c[1] * c[2]) == 0:
-            try:
-                timed[c] = streamed_us(lambda i, c=c: small_m_mm(xq, token_scale, *weights[i], config=c), copies)
-            except triton.runtime.errors.OutOfResources:
-                continue
-    config = min(timed, key=timed.get)
+    best, config = best_of(lambda c: lambda i: small_m_mm(xq, token_scale, *weights[i], config=c),
+                           [c for c in configs if k % (c[1] * c[2]) == 0], lambda make: streamed_us(make(), copies))
     mb = n * k / 1e6
     return (f"| {m} | {name} | {mb:.1f} | {copies} | {gemm:.1f} ({mb / gemm:.2f}) | {picked:.1f} ({mb / picked:.2f}) "
-            f"| {timed[config]:.1f} ({mb / timed[config]:.2f}) | {config} | {picked / timed[config]:.2f}x |")
+            f"| {best:.1f} ({mb / best:.2f}) | {config} | {picked / best:.2f}x |")
 
 
 def streamed(tokens: list[int], names: list[str]) -> None:
