@@ -56,6 +56,7 @@ DECODE_TILE = (32, 4, 2)
 DECODE_TILE_ONE_SPLIT = (64, 4, 2)
 DECODE_TILE_FP8 = (32, 4, 3)
 DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
+DECODE_HEADS_FASTEST = True  # experiment: kv heads first in the grid, so programs started together read one token row
 # Decode arguments that follow the split count, so the batch size: the log-sum-exp strides (the partial outputs'
 # strides are multiples of head_dim, divisible by 16 whatever the count).
 DECODE_SPLIT_ARGS = ["num_splits", "stride_plb", "stride_plh"]
@@ -157,21 +158,24 @@ def _online_softmax(
 
     MASKED drops the tokens not ``valid`` and, with CAUSAL, those after each row's position ``q_pos``; with WINDOWED
     also those ``window`` or more before it. Scores are ``dot * qk_scale`` in log2 units; with SOFTCAP they are
-    ``cap_scale * tanh(dot * qk_scale)`` (the caller folds the cap and log2(e) into the two scales).
+    ``cap_scale * tanh(dot * qk_scale)`` (the caller folds the cap and log2(e) into the two scales). Without SOFTCAP
+    the row maxima are taken over the dots and scaled after (qk_scale > 0), and the scale goes into the exponent's
+    one multiply-add: one operation a score fewer than scaling every score first.
     """
-    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     if SOFTCAP:
-        scores = cap_scale * (2.0 * tl.sigmoid(2.0 * scores) - 1.0)  # tanh
+        dots = cap_scale * (2.0 * tl.sigmoid(2.0 * dots * qk_scale) - 1.0)  # tanh, in log2 units: a scale of 1
+        qk_scale = 1.0
     if MASKED:
         keep = valid[None, :]
         if CAUSAL:
             keep = keep & (pos[None, :] <= q_pos[:, None])
         if WINDOWED:
             keep = keep & (pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(keep, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+        dots = tl.where(keep, dots, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(dots, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend yet
-    p = tl.exp2(scores - m_safe[:, None])
+    p = tl.exp2(dots * qk_scale - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
@@ -337,6 +341,7 @@ def _decode_split_kernel(
     KV_SCALED: tl.constexpr,
     MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
     """Attend the query heads of one kv head over one split of one sequence's context (its window's tail of it).
 
@@ -347,8 +352,12 @@ def _decode_split_kernel(
     the count back to zero. KV_SCALED (an FP8 cache): the head's key scale is folded into the scores' scale, its
     value scale into the output.
     """
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(query_start_loc_ptr + seq)
     has_query = tl.load(query_start_loc_ptr + seq + 1) == token + 1  # a decode row: the prefill kernel takes others
@@ -751,7 +760,8 @@ def _decode(
         block_n, num_warps, num_stages = DECODE_TILE_ONE_SPLIT if num_splits == 1 else DECODE_TILE
     counters = meta.split_counters
     merge = counters is not None and counters.shape[0] >= batch and counters.shape[1] == num_kv_heads
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if DECODE_HEADS_FASTEST else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -785,6 +795,7 @@ def _decode(
         KV_SCALED=kv_scale is not None,
         MERGE=merge,
         BLOCK_S=MAX_DECODE_SPLITS,
+        HEADS_FASTEST=DECODE_HEADS_FASTEST,
         num_warps=num_warps,
         num_stages=num_stages,
     )
