@@ -1,0 +1,146 @@
+"""What Triton builds for Kiln's own kernels on a Hopper, without a GPU: registers, shared memory, spills and the
+machine instructions (SASS) of each loop, per kernel at the tile the tree picks.
+
+Triton compiles for a target it is given (here sm_90, with its bundled ptxas, nvdisasm and cuobjdump), so a CPU host
+can read what a kernel change does to the instruction stream before any device time is spent: a memory-bound loop
+that needs more instructions per byte than the SM can issue will not reach the bandwidth however it is tiled. The
+arguments are specialised as Triton's JIT specialises a real launch (16-byte-aligned pointers, integers divisible by
+16, strides of 1 as constants), except those the kernel marks ``do_not_specialize``. Timing stays the GPU's: this
+counts instructions, it does not run them.
+
+usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,prefill,fp8-gemm,quantize-glu] [--arch 90]
+"""
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.backends.nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kiln.attention import triton_kernels as attention
+from kiln.quantization import fp8_small_m, quantize_kernel
+
+TOOLS = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+FLOATS = {"qk_scale", "cap_scale", "min_scale"}
+
+
+def _attention_kernels() -> dict:
+    """Llama-3-8B's attention (32 query heads, 8 kv heads of 128, blocks of 16) at the tiles the tree picks."""
+    cache = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16")
+    heads = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, SOFTCAP=False, DOT_PRECISION="tf32")
+    kernels = {}
+    for name, fp8 in (("decode", False), ("decode-fp8", True)):
+        kv = "*fp8e4nv" if fp8 else "*bf16"
+        block_n, warps, stages = attention.DECODE_TILE_FP8 if fp8 else attention.DECODE_TILE
+        scales = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32") if fp8 else {}
+        kernels[name] = (
+            attention._decode_split_kernel,
+            dict(cache, q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                 counters_ptr="*i32", **scales),
+            dict(heads, GROUP=4, BLOCK_G=16, BLOCK_N=block_n, KV_SCALED=fp8, MERGE=True,
+                 BLOCK_S=attention.MAX_DECODE_SPLITS, HEADS_FASTEST=attention.DECODE_HEADS_FASTEST,
+                 **({} if fp8 else dict(k_scale_ptr=None, v_scale_ptr=None))),
+            ("stride_qd", "stride_cd"), warps, stages)
+    block_m, block_n, warps, stages = attention.PREFILL_CONFIG
+    kernels["prefill"] = (
+        attention._prefill_kernel,
+        dict(cache, q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16"),
+        dict(heads, k_scale_ptr=None, v_scale_ptr=None, GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, KV_SCALED=False,
+             SKIP_DECODES=False, STEP_KV=attention.PREFILL_STEP_KV, HEAVY_FIRST=attention.PREFILL_HEAVY_FIRST),
+        ("stride_qd", "stride_kd", "stride_vd", "stride_cd"), warps, stages)
+    return kernels
+
+
+def _quantization_kernels() -> dict:
+    """Kiln's FP8 GEMM at one token (Llama-3-8B's o: K 4,096) and the SiLU x up quantize of a 14,336-wide row."""
+    block_k = fp8_small_m._block_k(4096)
+    block, one_pass, warps = quantize_kernel._config(2048, 14336)
+    return {
+        "fp8-gemm": (
+            fp8_small_m._swap_ab_kernel,
+            dict(x_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", out_ptr="*bf16",
+                 part_ptr="*fp32", res_ptr="*bf16"),
+            dict(BLOCK_M=16, BLOCK_N=fp8_small_m.BLOCK_N, BLOCK_K=block_k, SPLIT_K=1, RESIDUAL=False, PDL=True),
+            (), fp8_small_m.NUM_WARPS, fp8_small_m.DEEP_STAGES),
+        "quantize-glu": (
+            quantize_kernel._quantize_kernel,
+            dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
+            dict(GLU=True, BLOCK=block, ONE_PASS=one_pass),
+            (), warps, 1),
+    }
+
+
+def compile_kernel(fn, pointers: dict, constexprs: dict, ones: tuple, num_warps: int, num_stages: int, arch: int):
+    """Triton's build of ``fn`` for sm_``arch``, specialised as a launch with these pointer types would be."""
+    sig, attrs = {}, {}
+    constexprs = dict(constexprs, **{name: 1 for name in ones})
+    for param in fn.params:
+        name = param.name
+        if name in constexprs or param.is_constexpr:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = pointers.get(name, "fp32" if name in FLOATS else "i32")
+        if not param.do_not_specialize and name not in FLOATS:
+            attrs[(param.num,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _tool(name: str, *args: str) -> str:
+    return subprocess.run([os.path.join(TOOLS, name), *args], capture_output=True, text=True, check=True).stdout
+
+
+def loops(sass: str) -> list[tuple[int, collections.Counter]]:
+    """(instructions, opcode counts) of each loop: the code from a label to a branch back to it, outermost first."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*\.(L_x_\d+):", line))}
+    found = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = [x for x in lines[labels[m.group(1)]:i + 1] if re.search(r"/\*[0-9a-f]{4}\*/", x)]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x.split("*/", 1)[1].strip()).split()[0].split(".")[0]
+                                      for x in body)
+            found.append((len(body), ops))
+    return found
+
+
+def describe(name: str, kernel, arch: int) -> str:
+    compiled = compile_kernel(*kernel, arch)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = _tool("cuobjdump", "--dump-resource-usage", f.name)
+        sass = _tool("nvdisasm", "-c", f.name)
+    regs = re.search(r"REG:(\d+)", usage).group(1)
+    stack = re.search(r"STACK:(\d+)", usage).group(1)
+    shared = compiled.metadata.shared / 1024
+    body = "; ".join(f"{count}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
+                     for count, ops in loops(sass) if count >= 20) or "-"
+    total = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
+    return f"| {name} | {kernel[4]} / {kernel[5]} | {regs} | {stack} | {shared:.1f} | {total} | {body} |"
+
+
+def main() -> None:
+    kernels = {**_attention_kernels(), **_quantization_kernels()}
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernels", default=",".join(kernels))
+    p.add_argument("--arch", type=int, default=90, help="compute capability: 90 for a Hopper")
+    args = p.parse_args()
+    print(f"Triton {triton.__version__}, sm_{args.arch}; loops of at least 20 instructions, each: instructions "
+          f"(most frequent opcodes)")
+    print("| kernel | warps / stages | registers | stack bytes | shared KB | instructions | loops |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.kernels.split(","):
+        print(describe(name, kernels[name], args.arch), flush=True)
+
+
+if __name__ == "__main__":
+    main()
