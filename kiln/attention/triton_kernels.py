@@ -295,10 +295,13 @@ def _attend_step_tile(
     dims = tl.arange(0, BLOCK_D)
     pos = prefix + j
     valid = pos < end
-    tokens = (q_start + j).to(tl.int64)
-    k_offs = tokens[:, None] * stride_kt + kv_head * stride_kh + dims[None, :] * stride_kd
-    v_offs = tokens[:, None] * stride_vt + kv_head * stride_vh + dims[None, :] * stride_vd
-    k, v = _load_kv(k_ptr + k_offs, v_ptr + v_offs, valid, dims, HEAD_DIM, BLOCK_D, MASKED)
+    # The tile's first token's row (a scalar, 64-bit) plus offsets inside the tile that do not change from tile to
+    # tile: the loop computes one address a tile, not one a row.
+    first = (q_start + j0).to(tl.int64)
+    rows = tl.arange(0, BLOCK_N)[:, None]
+    k_tile = k_ptr + first * stride_kt + kv_head * stride_kh + (rows * stride_kt + dims[None, :] * stride_kd)
+    v_tile = v_ptr + first * stride_vt + kv_head * stride_vh + (rows * stride_vt + dims[None, :] * stride_vd)
+    k, v = _load_kv(k_tile, v_tile, valid, dims, HEAD_DIM, BLOCK_D, MASKED)
     return _online_softmax(q, m_i, l_i, acc, k, v, pos, valid, q_pos, qk_scale, cap_scale, 0, 1.0, MASKED, True,
                            False, SOFTCAP, DOT_PRECISION, False)
 
