@@ -44,7 +44,7 @@ def _attention_kernels() -> dict:
             dict(cache, q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, part_out_ptr="*fp32", part_lse_ptr="*fp32",
                  counters_ptr="*i32", **scales),
             dict(heads, GROUP=4, BLOCK_G=16, BLOCK_N=block_n, KV_SCALED=fp8, MERGE=True,
-                 BLOCK_S=attention.MAX_DECODE_SPLITS, HEADS_FASTEST=attention.DECODE_HEADS_FASTEST,
+                 BLOCK_S=attention.MAX_DECODE_SPLITS,
                  **({} if fp8 else dict(k_scale_ptr=None, v_scale_ptr=None))),
             ("stride_qd", "stride_cd"), warps, stages)
     block_m, block_n, warps, stages = attention.PREFILL_CONFIG

@@ -173,12 +173,15 @@ def with_split_counters(case: Case, rows: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("padding_rows", [0, 3])
 @pytest.mark.parametrize("merged", [False, True], ids=["reduce", "last-split-merges"])
 def test_decode(shape, padding_rows, merged, monkeypatch):
-    """Decodes against the reference, their splits merged by the reduce kernel or by the last split; under Triton's
-    interpreter (one "SM") as if on 64 SMs, so that every context splits there too."""
+    """Decodes against the reference, their splits merged by the reduce kernel or by the last split (at any split
+    count here: the engine leaves more than MERGE_MAX_SPLITS to the reduce for speed); under Triton's interpreter
+    (one "SM") as if on 64 SMs, so that every context splits there too."""
     from kiln.attention import triton_kernels as attention_triton
 
     if DEVICE == "cpu":
         monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 64)
+    if merged:
+        monkeypatch.setattr(attention_triton, "MERGE_MAX_SPLITS", attention_triton.MAX_DECODE_SPLITS)
     batch, num_heads, num_kv_heads, head_dim, block_size, dtype = shape
     rng = random.Random(str((shape, padding_rows)))
     seq_lens = [rng.randint(1, 4000) for _ in range(batch)]
