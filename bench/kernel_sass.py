@@ -8,7 +8,8 @@ arguments are specialised as Triton's JIT specialises a real launch (16-byte-ali
 16, strides of 1 as constants), except those the kernel marks ``do_not_specialize``. Timing stays the GPU's: this
 counts instructions, it does not run them.
 
-usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,prefill,fp8-gemm,quantize-glu] [--arch 90]
+usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,prefill,fp8-gemm,quantize-glu,quantize-glu-rows]
+                                  [--arch 90]
 """
 
 import argparse
@@ -58,9 +59,10 @@ def _attention_kernels() -> dict:
 
 
 def _quantization_kernels() -> dict:
-    """Kiln's FP8 GEMM at one token (Llama-3-8B's o: K 4,096) and the SiLU x up quantize of a 14,336-wide row."""
+    """Kiln's FP8 GEMM at one token (Llama-3-8B's o: K 4,096) and the SiLU x up quantize of a 14,336-wide row, a
+    program a row and (2,048 rows on 132 SMs) a program an SM."""
     block_k = fp8_small_m._block_k(4096)
-    block, one_pass, warps = quantize_kernel._config(2048, 14336)
+    block, one_pass, warps, _ = quantize_kernel._config(2048, 14336, 132)
     return {
         "fp8-gemm": (
             fp8_small_m._swap_ab_kernel,
@@ -72,7 +74,12 @@ def _quantization_kernels() -> dict:
             quantize_kernel._quantize_kernel,
             dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
             dict(GLU=True, BLOCK=block, ONE_PASS=one_pass),
-            (), warps, 1),
+            (), warps, 3),
+        "quantize-glu-rows": (
+            quantize_kernel._quantize_rows_kernel,
+            dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
+            dict(GLU=True, BLOCK=block),
+            (), warps, 3),
     }
 
 

@@ -18,6 +18,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 # interpreter, one not a power of two, one past the one-pass limit.
 WIDTHS = (4096, 14336, 28672) if torch.cuda.is_available() else (96, 1000, 20000)
 SUBNORMAL_STEP = 2.0 ** -9  # float8_e4m3fn's spacing below its smallest normal value
+# Row counts: one, a few, and (on a GPU) past the SMs' count, where a program an SM loops over the rows (the
+# interpreter counts one SM, so there every count past one does).
+ROWS = (1, 7, 64, 300) if torch.cuda.is_available() else (1, 7, 64)
 
 
 def assert_same_quantize(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
@@ -40,7 +43,7 @@ def assert_same_quantize(got: tuple[torch.Tensor, torch.Tensor], want: tuple[tor
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("m", ROWS)
 def test_the_kernel_quantizes_as_the_torch_ops(m, width):
     from kiln.quantization.quantize_kernel import quantize_rows_fp8
 
@@ -54,7 +57,7 @@ def test_the_kernel_quantizes_as_the_torch_ops(m, width):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("m", ROWS)
 def test_the_kernel_quantizes_silu_times_up_from_the_merged_product(m, width):
     """gate and up are the two halves of gate/up's merged product, rows strided by twice the width."""
     from kiln.quantization.quantize_kernel import quantize_rows_fp8
@@ -63,6 +66,23 @@ def test_the_kernel_quantizes_silu_times_up_from_the_merged_product(m, width):
     merged = torch.randn(m, 2 * width, device=DEVICE, dtype=torch.bfloat16) * 3
     gate, up = merged[:, :width], merged[:, width:]
     assert_same_quantize(quantize_rows_fp8(gate, up), quantize_tokens(silu_mul(gate, up)), exact_share=0.9)
+
+
+@pytest.mark.parametrize("glu", [False, True], ids=["activation", "silu-times-up"])
+def test_a_program_an_sm_quantizes_each_row_as_a_program_a_row_does(glu):
+    """The kernel that loops over rows (past as many rows as SMs) and the one a row give the same bytes."""
+    from kiln.quantization.quantize_kernel import _config, quantize_rows_fp8
+
+    width = 14336 if torch.cuda.is_available() else 1000
+    torch.manual_seed(glu)
+    merged = torch.randn(37, 2 * width, device=DEVICE, dtype=torch.bfloat16) * 3
+    x, up = merged[:, :width], (merged[:, width:] if glu else None)
+    block, one_pass, warps, _ = _config(1, width, 1)
+    assert one_pass
+    looped = quantize_rows_fp8(x, up, config=(block, True, warps, True))
+    each = quantize_rows_fp8(x, up, config=(block, True, warps, False))
+    assert torch.equal(looped[0].view(torch.uint8), each[0].view(torch.uint8))
+    assert torch.equal(looped[1], each[1])
 
 
 def test_no_rows_is_no_launch():
