@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
+from kiln.multiprocessors import sm_count
 from kiln.quantization.activation_quant import FP8, quantize_tokens
-from kiln.quantization.quantize_kernel import _config, _sm_count, quantize_rows_fp8
+from kiln.quantization.quantize_kernel import _config, quantize_rows_fp8
 
 CASES = (("silu x up", 14336, True), ("attention out", 4096, False))
 HIDDEN = 4096  # the gate/up GEMM's K with --after-gemm (Llama-3-8B's hidden size)
@@ -49,7 +50,7 @@ def main() -> None:
     for name, width, glu in CASES:
         for m in (int(r) for r in args.rows.split(",")):
             cells = row_cells(m, width, glu, configs, args.after_gemm)
-            pick = _config(m, width, _sm_count(torch.device("cuda")))
+            pick = _config(m, width, sm_count(torch.device("cuda")))
             print(f"| {name} | {m} | " + " | ".join(cells) + f" | {pick} |", flush=True)
 
 

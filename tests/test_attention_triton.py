@@ -179,7 +179,7 @@ def test_decode(shape, padding_rows, merged, monkeypatch):
     from kiln.attention import triton_kernels as attention_triton
 
     if DEVICE == "cpu":
-        monkeypatch.setattr(attention_triton, "_sm_count", lambda device: 64)
+        monkeypatch.setattr(attention_triton, "sm_count", lambda device: 64)
     if merged:
         monkeypatch.setattr(attention_triton, "MERGE_MAX_SPLITS", attention_triton.MAX_DECODE_SPLITS)
     batch, num_heads, num_kv_heads, head_dim, block_size, dtype = shape

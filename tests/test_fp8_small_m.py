@@ -33,7 +33,7 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
 
     assert (fp8_small_m.SPLIT_M, fp8_small_m.MAX_M) == (SPLIT_M, MAX_M)
     if sms is not None:
-        monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: sms)
+        monkeypatch.setattr(fp8_small_m, "sm_count", lambda device: sms)
         if m <= SPLIT_M:
             assert fp8_small_m.split_k(n, k, 128, sms) > 1 or k % 256  # a K of three 128s splits no way
         else:
@@ -59,7 +59,7 @@ def test_the_kernel_adds_the_residual(m, sms, monkeypatch):
     from kiln.quantization.fp8_small_m import small_m_mm
 
     if sms is not None:
-        monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: sms)
+        monkeypatch.setattr(fp8_small_m, "sm_count", lambda device: sms)
     n, k = SHAPES[0]
     torch.manual_seed(m)
     q, scale = quantize_rows(torch.randn(n, k, device=DEVICE) * 0.02)
@@ -80,7 +80,7 @@ def test_the_kernel_takes_decode_sized_products_its_pipeline_fits(device_name, s
     from kiln.quantization import fp8_small_m
 
     monkeypatch.setattr(fp8_small_m, "max_shared_bytes", lambda device: shared_bytes)
-    monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(fp8_small_m, "sm_count", lambda device: sms)
     cuda = torch.device("cuda")
     taken = {(m, n, k) for m in (1, SPLIT_M, SPLIT_M + 1, 64, MAX_M, MAX_M + 1) for n, k in
              ((6144, 4096), (28672, 4096), (4096, 14336), (6144, 4160)) if fp8_small_m.takes(m, n, k, cuda)}
@@ -126,7 +126,7 @@ def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, m
     from kiln.quantization.fp8_small_m import small_m_mm
     from kiln.quantization.quantize_kernel import quantize_rows_fp8
 
-    monkeypatch.setattr(fp8_small_m, "_num_sms", lambda device: 1024)
+    monkeypatch.setattr(fp8_small_m, "sm_count", lambda device: 1024)
     assert fp8_small_m.split_k(4096, 14336, 256, 1024) > 1
 
     torch.manual_seed(0)

@@ -33,7 +33,6 @@ An FP8 cache (``kv_scale`` given) is written divided by each kv head's scale: th
 scores' scale, and each value tile is multiplied by its scale as it is read (``_online_softmax``).
 """
 
-import functools
 
 import torch
 import triton
@@ -41,6 +40,7 @@ import triton.language as tl
 
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.model.features import MAX_CUDA_HEAD_DIM
+from kiln.multiprocessors import sm_count
 from kiln.shared_memory import max_shared_bytes
 
 LOG2E = 1.4426950408889634
@@ -686,16 +686,9 @@ def _prefill_kernel(
     )
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # TRITON_INTERPRET=1 runs the kernels on CPU tensors (the tests, without a GPU)
-        return 1
-    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
-
-
 def _decode_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per sequence for DECODE_WAVES programs per multiprocessor: from shapes only, never this step's lengths."""
-    fill = triton.cdiv(DECODE_WAVES * _sm_count(device), batch * num_kv_heads)
+    fill = triton.cdiv(DECODE_WAVES * sm_count(device), batch * num_kv_heads)
     return max(1, min(fill, MAX_DECODE_SPLITS, triton.cdiv(max_context, MIN_SPLIT_TOKENS)))
 
 

@@ -12,13 +12,13 @@ wave of SMs: the two programs of a weight tile read it once from HBM between the
 41-49% slower so, keep all tokens in a program).
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from kiln import programmatic_launch
+from kiln.multiprocessors import sm_count
 from kiln.programmatic_launch import release, wait
 from kiln.shared_memory import max_shared_bytes
 
@@ -87,11 +87,6 @@ def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, res_ptr, M, N, stride_om, stri
     tl.store(out_ptr + m * stride_om + rn, acc.to(tl.bfloat16), mask=rn < N)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def _block_m(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
@@ -119,7 +114,7 @@ def takes(m: int, n: int, k: int, device: torch.device) -> bool:
     has (227 KB) and an Ada (99 KB) has not."""
     if k % 128 or NUM_STAGES * (BLOCK_N + _block_m(m)) * _block_k(k) > max_shared_bytes(device):
         return False
-    return m <= SPLIT_M or (m <= MAX_M and triton.cdiv(n, CUBLAS_TILE_N) < _num_sms(device))
+    return m <= SPLIT_M or (m <= MAX_M and triton.cdiv(n, CUBLAS_TILE_N) < sm_count(device))
 
 
 def split_k(n: int, k: int, block_k: int, sms: int) -> int:
@@ -155,7 +150,7 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     m, k = q.shape
     n = weight.shape[0]
     if config is None:
-        block_k, sms = _block_k(k), _num_sms(q.device)
+        block_k, sms = _block_k(k), sm_count(q.device)
         splits = split_k(n, k, block_k, sms) if m <= SPLIT_M else 1
         block_m = tokens_a_program(m, n, sms)
         config = (BLOCK_N, block_k, splits, NUM_WARPS, stages(m, block_m, block_k, q.device), block_m)

@@ -14,12 +14,11 @@ torch ops, computed in float32 as Inductor's fused kernels compute them (SiLU an
 activation's dtype between them): the scale max(amax / 448, MIN_SCALE), x / scale clamped to ±448.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kiln.multiprocessors import sm_count
 from kiln.quantization.activation_quant import FP8, MIN_SCALE
 
 FP8_MAX = tl.constexpr(448.0)
@@ -98,15 +97,8 @@ def _config(m: int, width: int, sms: int) -> tuple[int, bool, int, bool]:
     return block, True, max(4, min(32, block // 512)), m > sms
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # TRITON_INTERPRET=1 runs the kernels on CPU tensors (the tests, without a GPU)
-        return 1
-    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
-
-
 def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None,
-                      config: tuple[int, bool, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      config: tuple[int, bool, int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] (with ``up`` [M, K]: SiLU(x) × up), rows contiguous -> (float8 [M, K], float32 scale [M, 1]).
     ``config`` (BLOCK, ONE_PASS, num_warps, AN_SM) is for a sweep; None: this module's choice."""
     m, width = x.shape
@@ -114,7 +106,7 @@ def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None,
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
-    sms = _sm_count(x.device)
+    sms = sm_count(x.device)
     block, one_pass, num_warps, an_sm = config or _config(m, width, sms)
     other = x if up is None else up
     strides = (x.stride(0), other.stride(0), q.stride(0))
