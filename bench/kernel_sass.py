@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 import triton
 import triton.backends.nvidia
@@ -31,6 +32,16 @@ TOOLS = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
 FLOATS = {"qk_scale", "cap_scale", "min_scale"}
 
 
+class Build(NamedTuple):
+    """A kernel as one launch of the tree builds it: its pointers' types, its constexprs, the strides passed as 1."""
+    fn: object
+    pointers: dict
+    constexprs: dict
+    ones: tuple
+    num_warps: int
+    num_stages: int
+
+
 def _attention_kernels() -> dict:
     """Llama-3-8B's attention (32 query heads, 8 kv heads of 128, blocks of 16) at the tiles the tree picks."""
     cache = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16")
@@ -40,7 +51,7 @@ def _attention_kernels() -> dict:
         kv = "*fp8e4nv" if fp8 else "*bf16"
         block_n, warps, stages = attention.DECODE_TILE_FP8 if fp8 else attention.DECODE_TILE
         scales = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32") if fp8 else {}
-        kernels[name] = (
+        kernels[name] = Build(
             attention._decode_split_kernel,
             dict(cache, q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, part_out_ptr="*fp32", part_lse_ptr="*fp32",
                  counters_ptr="*i32", **scales),
@@ -49,7 +60,7 @@ def _attention_kernels() -> dict:
                  **({} if fp8 else dict(k_scale_ptr=None, v_scale_ptr=None))),
             ("stride_qd", "stride_cd"), warps, stages)
     block_m, block_n, warps, stages = attention.PREFILL_CONFIG
-    kernels["prefill"] = (
+    kernels["prefill"] = Build(
         attention._prefill_kernel,
         dict(cache, q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16"),
         dict(heads, k_scale_ptr=None, v_scale_ptr=None, GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, KV_SCALED=False,
@@ -64,18 +75,18 @@ def _quantization_kernels() -> dict:
     block_k = fp8_small_m._block_k(4096)
     block, one_pass, warps, _ = quantize_kernel._config(2048, 14336, 132)
     return {
-        "fp8-gemm": (
+        "fp8-gemm": Build(
             fp8_small_m._swap_ab_kernel,
             dict(x_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", out_ptr="*bf16",
                  part_ptr="*fp32", res_ptr="*bf16"),
             dict(BLOCK_M=16, BLOCK_N=fp8_small_m.BLOCK_N, BLOCK_K=block_k, SPLIT_K=1, RESIDUAL=False, PDL=True),
             (), fp8_small_m.NUM_WARPS, fp8_small_m.DEEP_STAGES),
-        "quantize-glu": (
+        "quantize-glu": Build(
             quantize_kernel._quantize_kernel,
             dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
             dict(GLU=True, BLOCK=block, ONE_PASS=one_pass),
             (), warps, 3),
-        "quantize-glu-rows": (
+        "quantize-glu-rows": Build(
             quantize_kernel._quantize_rows_kernel,
             dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
             dict(GLU=True, BLOCK=block),
@@ -83,21 +94,21 @@ def _quantization_kernels() -> dict:
     }
 
 
-def compile_kernel(fn, pointers: dict, constexprs: dict, ones: tuple, num_warps: int, num_stages: int, arch: int):
-    """Triton's build of ``fn`` for sm_``arch``, specialised as a launch with these pointer types would be."""
+def compile_kernel(build: Build, arch: int):
+    """Triton's build of the kernel for sm_``arch``, specialised as a launch with these pointer types would be."""
     sig, attrs = {}, {}
-    constexprs = dict(constexprs, **{name: 1 for name in ones})
-    for param in fn.params:
+    constexprs = dict(build.constexprs, **{name: 1 for name in build.ones})
+    for param in build.fn.params:
         name = param.name
         if name in constexprs or param.is_constexpr:
             sig[name] = "constexpr"
             continue
-        sig[name] = pointers.get(name, "fp32" if name in FLOATS else "i32")
+        sig[name] = build.pointers.get(name, "fp32" if name in FLOATS else "i32")
         if not param.do_not_specialize and name not in FLOATS:
             attrs[(param.num,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    source = ASTSource(build.fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=build.num_warps, num_stages=build.num_stages))
 
 
 def _tool(name: str, *args: str) -> str:
@@ -119,8 +130,8 @@ def loops(sass: str) -> list[tuple[int, collections.Counter]]:
     return found
 
 
-def describe(name: str, kernel, arch: int) -> str:
-    compiled = compile_kernel(*kernel, arch)
+def describe(name: str, build: Build, arch: int) -> str:
+    compiled = compile_kernel(build, arch)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -132,7 +143,7 @@ def describe(name: str, kernel, arch: int) -> str:
     body = "; ".join(f"{count}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
                      for count, ops in loops(sass) if count >= 20) or "-"
     total = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
-    return f"| {name} | {kernel[4]} / {kernel[5]} | {regs} | {stack} | {shared:.1f} | {total} | {body} |"
+    return f"| {name} | {build.num_warps} / {build.num_stages} | {regs} | {stack} | {shared:.1f} | {total} | {body} |"
 
 
 def main() -> None:
