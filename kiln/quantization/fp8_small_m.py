@@ -12,7 +12,6 @@ wave of SMs: the two programs of a weight tile read it once from HBM between the
 41-49% slower so, keep all tokens in a program).
 """
 
-
 import torch
 import triton
 import triton.language as tl

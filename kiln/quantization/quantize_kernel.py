@@ -57,10 +57,10 @@ def _quantize_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, width, stride_x, stride_up
     x_row = x_ptr + row * stride_x
     up_row = up_ptr + row * stride_up
     q_row = q_ptr + row * stride_q
-    cols = tl.arange(0, BLOCK)
     if ONE_PASS:
         _one_pass(x_row, up_row, q_row, scale_ptr + row, width, min_scale, GLU, BLOCK)
     else:
+        cols = tl.arange(0, BLOCK)
         amax = tl.zeros([BLOCK], tl.float32)
         for start in range(0, width, BLOCK):
             amax = tl.maximum(amax, tl.abs(_activation(x_row, up_row, start + cols, width, GLU)))
