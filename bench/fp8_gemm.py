@@ -31,10 +31,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.multiprocessors import sm_count
 from kiln.quantization.activation_quant import quantize_tokens
 from kiln.quantization.fp8_linear import fp8_linear, quantize_rows
-from kiln.quantization.fp8_small_m import M_TILE, SPLIT_M, small_m_mm
+from kiln.quantization.fp8_small_m import M_TILE, REDUCE_BLOCK, SPLIT_M, reduce_kernel, small_m_mm
 
 # (name, out_features, in_features) of Llama-3-8B's merged projections
 GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -148,34 +147,20 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm,
         tl.store(part_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
 
-@triton.jit
-def _reduce_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n."""
-    m = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
-    acc *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
-    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
-
-
 MAX_GEMV_TOKENS = 4
-REDUCE_BLOCK = 256
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 SWAP_AB_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 4, 3), (128, 128, 1, 8, 4),
                    (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (128, 128, 4, 8, 3),
                    (64, 128, 8, 4, 4))
-# (BLOCK_N, BLOCK_K, spread, num_warps, num_stages[, BLOCK_M]) of Kiln's kernel (both operands FP8): spread is the
-# ways each weight tile's K loop is split (programs = tiles x spread), or "sms", its K loops spread over the SMs
-# (stream-K, Kiln's pick up to SPLIT_M rows); kiln_config makes the kernel's own config of it
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of the swap-AB kernel with both operands FP8
 FP8_DOT_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 4), (128, 128, 1, 4, 4), (128, 256, 1, 8, 3),
                    (64, 128, 2, 4, 4), (64, 256, 2, 4, 4), (64, 128, 4, 4, 5), (64, 256, 4, 4, 4),
-                   (128, 128, 4, 4, 4), (128, 256, 4, 8, 3), (64, 128, 8, 4, 4), (64, 256, 8, 4, 3),
-                   (64, 256, "sms", 4, 6))
-# A wider grid for --streamed: the spread, K tile and pipeline depth around Kiln's picks, 64 weight rows a program
-STREAMED_CONFIGS = tuple((64, block_k, spread, 4, stages) for block_k in (128, 256) for spread in (1, 2, "sms")
-                         for stages in (4, 6))
+                   (128, 128, 4, 4, 4), (128, 256, 4, 8, 3), (64, 128, 8, 4, 4), (64, 256, 8, 4, 3))
+# A wider grid for --streamed: the split, K tile and pipeline depth around Kiln's picks, at 64 weight rows a program
+# (the FP8 wgmma's side), and at 32 (twice the programs without a split, so no reduce kernel)
+STREAMED_CONFIGS = tuple((block_n, block_k, splits, 4, stages) for block_n in (64, 32) for block_k in (128, 256, 512)
+                         for splits in (1, 2, 4, 8) for stages in (3, 4, 6)
+                         if block_k * stages <= 1536 and (block_n == 64 or splits <= 2))
 GEMV_CONFIGS = ((16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 1024, 1, 4, 2), (16, 512, 4, 4, 3), (32, 256, 4, 4, 3),
                 (16, 256, 8, 4, 4), (64, 128, 1, 4, 4), (32, 512, 2, 8, 3))
 
@@ -190,8 +175,8 @@ def _launch_split(kernel, x, weight, scale, config, block_m, **constexprs) -> to
         x, weight, scale, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **constexprs)
     if split_k > 1:
-        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, scale, out, m, n, out.stride(0), SPLIT_K=split_k,
-                                                           BLOCK=REDUCE_BLOCK)
+        reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, scale, out, m, n, out.stride(0), SPLIT_K=split_k,
+                                                          BLOCK=REDUCE_BLOCK, PDL=False)
     return out
 
 
@@ -201,19 +186,10 @@ def swap_ab(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: 
                          WIDE_F32=not x.is_cuda)
 
 
-def kiln_config(config: tuple, n: int, device: torch.device) -> tuple:
-    """An FP8_DOT_CONFIGS / STREAMED_CONFIGS entry as kiln.quantization.fp8_small_m's config (programs a token tile)."""
-    block_n, block_k, spread, *rest = config
-    programs = sm_count(device) if spread == "sms" else triton.cdiv(n, block_n) * spread
-    return (block_n, block_k, programs, *rest)
-
-
 def fp8_swap_ab(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 config: tuple | None) -> torch.Tensor:
     """The FP8 activation ``xq`` [M, K] with token scales [M, 1] times the float8 ``weight`` [N, K] with row scales
-    [N] -> bf16 [M, N]: Kiln's swap-AB kernel with both operands FP8 at ``config`` (an FP8_DOT_CONFIGS entry; None:
-    the one it picks)."""
-    config = None if config is None else kiln_config(config, weight.shape[0], xq.device)
+    [N] -> bf16 [M, N]: Kiln's swap-AB kernel with both operands FP8 at ``config`` (None: the one it picks)."""
     return small_m_mm(xq, x_scale.reshape(-1).contiguous(), weight, scale, config=config)
 
 
@@ -292,7 +268,7 @@ def in_graphs(tokens: list[int]) -> None:
                 a, q.t(), scale_a=s, scale_b=t, out_dtype=torch.bfloat16, use_fast_accum=True))
             picked = graph_us(lambda a=xq, s=x_scale, q=q, t=scale: fp8_swap_ab(a, s, q, t, None))
             timed, config = best_of(lambda c, a=xq, s=x_scale, q=q, t=scale: fp8_swap_ab(a, s, q, t, c),
-                                    FP8_DOT_CONFIGS, graph_us)
+                                    [c for c in FP8_DOT_CONFIGS if k % (c[1] * c[2]) == 0], graph_us)
             wo, wo_config = best_of(lambda c, x=x, q=q, t=scale: swap_ab(x, q, t, c), SWAP_AB_CONFIGS, graph_us)
             mb = n * k / 1e6
             print(f"| {m} | {name} | {mb:.1f} | {bf16:.1f} ({2 * mb / bf16:.2f}) | {gemm:.1f} ({mb / gemm:.2f}) | "
@@ -319,12 +295,11 @@ def streamed_row(m: int, name: str, n: int, k: int, l2: int) -> str:
                                                   scale_b=weights[i][1].reshape(1, -1), out_dtype=torch.bfloat16,
                                                   use_fast_accum=True), copies)
     picked = streamed_us(lambda i: small_m_mm(xq, token_scale, *weights[i]), copies)
-    configs = [c for c in STREAMED_CONFIGS if c[2] == 1 or m <= SPLIT_M]  # (past SPLIT_M rows K is not spread)
+    configs = [c for c in STREAMED_CONFIGS if c[2] == 1 or m <= SPLIT_M]  # (past SPLIT_M rows K is not split)
     if m > M_TILE:  # the tokens split too, 64 a program, as Kiln splits them where its tiles fit one wave
         configs += [(*c, M_TILE) for c in configs]
-    best, config = best_of(lambda c: lambda i: small_m_mm(xq, token_scale, *weights[i],
-                                                          config=kiln_config(c, n, xq.device)),
-                           configs, lambda make: streamed_us(make(), copies))
+    best, config = best_of(lambda c: lambda i: small_m_mm(xq, token_scale, *weights[i], config=c),
+                           [c for c in configs if k % (c[1] * c[2]) == 0], lambda make: streamed_us(make(), copies))
     mb = n * k / 1e6
     return (f"| {m} | {name} | {mb:.1f} | {copies} | {gemm:.1f} ({mb / gemm:.2f}) | {picked:.1f} ({mb / picked:.2f}) "
             f"| {best:.1f} ({mb / best:.2f}) | {config} | {picked / best:.2f}x |")
@@ -362,7 +337,7 @@ def check() -> None:
                                        f"{f.__name__} {c} at {shape}: {e}")
         xq, x_scale = quantize_tokens(x)
         want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
-        for config in [c for c in FP8_DOT_CONFIGS[::3] + FP8_DOT_CONFIGS[-1:] if k % c[1] == 0]:  # whole K tiles
+        for config in [c for c in FP8_DOT_CONFIGS[::3] if k % (c[1] * c[2]) == 0]:  # its Ks: whole splits
             got = fp8_swap_ab(xq, x_scale, q, scale, config).float()
             torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, c=config, shape=(m, n, k):
                                        f"fp8_swap_ab {c} at {shape}: {e}")

@@ -78,8 +78,8 @@ def _quantization_kernels() -> dict:
         "fp8-gemm": Build(
             fp8_small_m._swap_ab_kernel,
             dict(x_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", out_ptr="*bf16",
-                 part_ptr="*fp32", counters_ptr="*i32", res_ptr="*bf16"),
-            dict(BLOCK_M=16, BLOCK_N=fp8_small_m.BLOCK_N, BLOCK_K=block_k, RESIDUAL=False, PDL=True),
+                 part_ptr="*fp32", res_ptr="*bf16"),
+            dict(BLOCK_M=16, BLOCK_N=fp8_small_m.BLOCK_N, BLOCK_K=block_k, SPLIT_K=1, RESIDUAL=False, PDL=True),
             (), fp8_small_m.NUM_WARPS, fp8_small_m.DEEP_STAGES),
         "quantize-glu": Build(
             quantize_kernel._quantize_kernel,

@@ -22,10 +22,9 @@ SHAPES = ((6144, 4096), (4096, 14336)) if torch.cuda.is_available() else ((96, 5
 SPLIT_M, MAX_M = 32, 128  # kiln.quantization.fp8_small_m's (it imports Triton, which the CPU CI has not)
 
 
-# sms: the device's SM count, 7 (each program's steps end mid-tile, most tiles shared by two programs) and 1,024 (a
-# BLOCK_K step a program, a tile shared by all of its K loop's programs) up to SPLIT_M rows; past them K is not
-# spread, and 1,024 splits the tokens 64 a program (past 64 rows)
-@pytest.mark.parametrize("m, sms", [(m, sms) for m in (1, 5, 16, SPLIT_M) for sms in (None, 7, 1024)]
+# sms: the device's SM count, and as many as make K split 2-8 ways (up to SPLIT_M rows: past them K is not split) or
+# the tokens 64 a program (past 64 rows)
+@pytest.mark.parametrize("m, sms", [(m, sms) for m in (1, 5, 16, SPLIT_M) for sms in (None, 1024)]
                          + [(48, None), (100, 1024), (MAX_M, None), (MAX_M, 1024)])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
@@ -36,9 +35,7 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     if sms is not None:
         monkeypatch.setattr(fp8_small_m, "sm_count", lambda device: sms)
         if m <= SPLIT_M:
-            steps = k // fp8_small_m._block_k(k)
-            programs = fp8_small_m.spread(m, n, k, fp8_small_m._block_k(k), sms)
-            assert -(-(-(-n // 64) * steps) // programs) % steps  # a program's steps end inside a tile
+            assert fp8_small_m.split_k(n, k, 128, sms) > 1 or k % 256  # a K of three 128s splits no way
         else:
             assert fp8_small_m.tokens_a_program(m, n, sms) == 64 < m  # two token tiles, the last one partial at 100
     torch.manual_seed(m)
@@ -51,11 +48,9 @@ def test_small_m_kernel_is_the_dequantized_product(m, n, k, sms, monkeypatch):
     # kernel's largest was 1.0% of the outputs' spread at K = 4,096 and 1.7% at 14,336, cuBLASLt's own _scaled_mm
     # 1.0% and 1.2%; bf16's rounding of the largest outputs is of that size too.
     torch.testing.assert_close(got.float(), want, atol=2e-2 * want.std().item(), rtol=1e-2)
-    counters = fp8_small_m._counters.get(xq.device)
-    assert counters is None or not counters.any()  # set back to zeros by each shared tile's last program
 
 
-# Each epilogue: a tile a program's (all tokens or 64 a program) and the last of a shared tile's programs'.
+# Each epilogue: the GEMM's own (one split, all tokens or 64 a program) and the split-K reduce's.
 @pytest.mark.parametrize("m, sms", [(1, None), (5, 1024), (100, 1024)])
 def test_the_kernel_adds_the_residual(m, sms, monkeypatch):
     """``residual + product`` in the kernel's epilogue equals the float32 sum within the product's own bound and the
@@ -124,7 +119,7 @@ def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, m
     """Llama-3-8B's MLP as the decode graph runs it (quantize, gate/up, SiLU x up quantize, down), replayed from CUDA
     graphs captured with and without programmatic dependent launch, each input written just before the replay: a
     kernel reading its input before the one that writes it has ended would differ. The kernel sees 1,024 SMs, so that
-    every tile is shared by the programs of its K loop, the last of them finishing it.
+    down splits K and its reduce runs in the chain too.
     """
     from kiln import programmatic_launch
     from kiln.quantization import fp8_small_m
@@ -132,7 +127,7 @@ def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, m
     from kiln.quantization.quantize_kernel import quantize_rows_fp8
 
     monkeypatch.setattr(fp8_small_m, "sm_count", lambda device: 1024)
-    assert fp8_small_m.spread(m, 4096, 14336, 256, 1024) == 1024
+    assert fp8_small_m.split_k(4096, 14336, 256, 1024) > 1
 
     torch.manual_seed(0)
     gate_up, gate_up_scale = quantize_rows(torch.randn(28672, 4096, device="cuda") * 0.02)
@@ -161,30 +156,3 @@ def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, m
         outputs[pdl] = torch.stack(results)
     assert outputs[True].abs().sum() > 0
     assert torch.equal(outputs[False], outputs[True])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_a_product_captured_before_any_counters_exist_takes_a_tile_a_program(monkeypatch):
-    """A capture records the counters' zeroing without running it, so a device's first product inside one takes a
-    tile a program (no tile shared) and is right; once an eager product has made the counters, a capture shares."""
-    from kiln.quantization import fp8_small_m
-    from kiln.quantization.fp8_small_m import small_m_mm
-
-    monkeypatch.setattr(fp8_small_m, "_counters", {})
-    n, k = SHAPES[1]
-    q, scale = quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
-    xq, x_scale = quantize_tokens(torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
-    want = (xq.float() * x_scale) @ (q.float() * scale[:, None]).t()
-    token_scale = x_scale.reshape(-1).contiguous()
-    # the default's build at one program (all tiles in one: none shared, no counters made)
-    one_program = (fp8_small_m.BLOCK_N, 256, 1, fp8_small_m.NUM_WARPS, fp8_small_m.stages(1, 16, 256, xq.device), 16)
-    for made in (False, True):
-        small_m_mm(xq, token_scale, q, scale, config=one_program)
-        assert bool(fp8_small_m._counters) is made
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = small_m_mm(xq, token_scale, q, scale)
-        graph.replay()
-        torch.testing.assert_close(out.float(), want, atol=2e-2 * want.std().item(), rtol=1e-2)
-        fp8_small_m.counters(xq.device)
-    assert not fp8_small_m._counters[xq.device].any()

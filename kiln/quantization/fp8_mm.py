@@ -26,7 +26,6 @@ def fp8_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_sc
     if q.is_cuda:
         from kiln.quantization import fp8_small_m  # Triton: only where CUDA runs
 
-        fp8_small_m.counters(q.device)  # made at the first (eager) product, before any graph captures one
         if fp8_small_m.takes(q.shape[0], weight.shape[0], q.shape[1], q.device):
             return fp8_small_m.small_m_mm(q, scale.reshape(-1).contiguous(), weight, weight_scale, residual)
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1), out_dtype=out_dtype,

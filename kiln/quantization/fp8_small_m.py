@@ -4,14 +4,12 @@ On CUDA 12.9+ PyTorch hands a row-wise ``_scaled_mm`` to cuBLASLt, which runs ev
 128 x 128 tile: an FP8 decode layer took 2.81x its weight-read floor on the H200, longer than bf16's (BENCHMARKS.md,
 "FP8 decode"). This kernel puts the weight first in the FP8 tensor-core dot ("swap A and B", as vLLM's and
 CUTLASS's small-M configs do: the weight's rows are the dot's 64-row side, the few tokens the other) and, up to
-SPLIT_M rows, pipelines DEEP_STAGES tiles deep and spreads the weight's K loops evenly over the SMs (stream-K, as
-CUTLASS's Hopper GEMMs may schedule): Llama-3-8B's o and down have 64 tiles of 64 rows, q/k/v 96, fewer than the
-H200's 132 SMs, and gate_up's 448 leave the last of four waves part-empty, where a tile a program left SMs without
-weight to stream. A tile shared by two programs is finished by the one that ends last, in the same kernel (no
-reduce kernel after). Past 64 rows the tokens are split instead, 64 a program, where the weight's row tiles times
-the token tiles still fit one wave of SMs: the two programs of a weight tile read it once from HBM between them,
-and twice as many SMs stream it (Llama-3-8B's o and down 9-20% faster at 96-128 rows on the H200; q/k/v, whose 96
-row tiles would need two waves, 41-49% slower so, keep all tokens in a program).
+SPLIT_M rows, pipelines DEEP_STAGES tiles deep and splits K so that more SMs stream weight bytes where the weight's
+rows are very few (until a quarter of the SMs have a program), the partial sums added by a second kernel. Past 64
+rows the tokens are split instead, 64 a program, where the weight's row tiles times the token tiles still fit one
+wave of SMs: the two programs of a weight tile read it once from HBM between them, and twice as many SMs stream it
+(Llama-3-8B's o and down 9-20% faster at 96-128 rows on the H200; q/k/v, whose 96 row tiles would need two waves,
+41-49% slower so, keep all tokens in a program).
 """
 
 import torch
@@ -26,89 +24,66 @@ from kiln.shared_memory import max_shared_bytes
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
 NUM_WARPS, NUM_STAGES = 4, 4
 DEEP_STAGES = 6  # the pipeline's depth up to SPLIT_M rows, where the device's shared memory holds it
-SPLIT_M = 32  # rows up to which the kernel takes every product, its K loops spread over the SMs
+SPLIT_M = 32  # rows up to which the kernel takes every product, K split as split_k says
 MAX_M = 128  # rows up to which it takes the products whose weight cuBLASLt's tiles spread thin
 CUBLAS_TILE_N = 128  # weight rows a cuBLASLt FP8 tile covers at these sizes (nvjet_sm90_qqtst_128x128)
+MAX_SPLIT_K = 8
 M_TILE = 64  # tokens a program takes past 64 rows, where the tiles fit one wave (tokens_a_program)
-COUNTERS = 1 << 14  # tiles (weight tiles x token tiles) a device's counters cover: a vocabulary of 1M rows
-_counters: dict[torch.device, torch.Tensor] = {}
+REDUCE_BLOCK = 256  # outputs a reduce program sums: a 1-row step of N 4096 still spreads over 16 programs
 
 
 # M (the step's tokens) is not specialised on (Triton would build a variant for 1, for multiples of 16 and for the
 # rest): one build per layer shape and power-of-two BLOCK_M, before ready.
-@triton.jit(do_not_specialize=["M", "UNITS"])
-def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, M, N, K, UNITS,
-                    stride_xm, stride_wn, stride_om, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    """out.T[N, M] = w[N, K] @ x.T[K, M], both operands FP8, times the token and row scales (plus the residual with
-    RESIDUAL), stored as bf16; BLOCK_M tokens a program (grid axis 1).
-
-    Stream-K (grid axis 0): the K loops of the weight's BLOCK_N-row tiles laid end to end, each program takes UNITS
-    consecutive BLOCK_K steps of them, so that every program streams as many weight bytes whatever the tile count
-    (UNITS = K // BLOCK_K: a tile a program). A tile whose K loop two or more programs share is finished by the one
-    that ends last: each writes its float32 partial sums to its slot of ``part`` (two a program: its first tile's
-    and its last's), counts itself in on ``counters`` (zeros between calls) and the one that counts the last adds
-    the slots in program order (the same bits whichever ends last), finishes the tile and sets the counter back.
-    With PDL it starts while the kernel before ends, and lets the next one start once its work is done."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    m_tile = tl.program_id(1)
-    rm = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rb = tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    slot_offsets = rb[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    steps = K // BLOCK_K
-    tiles = tl.cdiv(N, BLOCK_N)
-    start = pid * UNITS
-    end = tl.minimum(start + UNITS, tiles * steps)
+@triton.jit(do_not_specialize=["M"])
+def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, res_ptr, M, N, K, stride_xm,
+                    stride_wn, stride_om, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """out.T[N, M] = w[N, K] @ x.T[K, M] over this program's 1/SPLIT_K of K (K a multiple of SPLIT_K * BLOCK_K), both
+    operands FP8, times the token scales; with SPLIT_K 1 times the row scales too (plus the residual with RESIDUAL)
+    and stored as bf16, else float32 partials [SPLIT_K, M, N] for reduce_kernel. With PDL it starts while the kernel
+    before ends, and lets the next one start once its K loop is done."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    per_split = K // SPLIT_K
     wait(PDL)
-    x_scale = tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)
-    unit = start
-    while unit < end:
-        tile = unit // steps
-        first = unit - tile * steps
-        last = tl.minimum(steps, first + end - unit)
-        rn = tile * BLOCK_N + rb
-        w_ptrs = w_ptr + rn[:, None] * stride_wn + (first * BLOCK_K + rk)[None, :]
-        x_ptrs = x_ptr + rm[None, :] * stride_xm + (first * BLOCK_K + rk)[:, None]
-        w_mask, x_mask = rn[:, None] < N, rm[None, :] < M
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for _ in range(first, last):
-            acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.load(x_ptrs, mask=x_mask, other=0.0), acc)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        acc *= x_scale[None, :]
-        if first == 0 and last == steps:
-            _finish(acc, rn, rm, w_scale_ptr, out_ptr, res_ptr, M, N, stride_om, stride_rm, RESIDUAL)
-        else:
-            # The partial written by every thread before the count (CUDA's last-block pattern: barrier, then one
-            # acquire-release atomic); the last reads the slots from L2 (.cg), never from a stale L1 line.
-            slots = part_ptr + (m_tile * programs + pid) * 2 * BLOCK_N * BLOCK_M
-            tl.store(slots + (unit != start).to(tl.int32) * BLOCK_N * BLOCK_M + slot_offsets, acc)
-            tl.debug_barrier()
-            tile_start = tile * steps
-            sharers_first, sharers_last = tile_start // UNITS, (tile_start + steps - 1) // UNITS
-            counter = counters_ptr + m_tile * tiles + tile
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == sharers_last - sharers_first:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for sharer in range(sharers_first, sharers_last + 1):
-                    # a sharer's slot 0 holds its first tile's sums, 1 its last's
-                    slot = (m_tile * programs + sharer) * 2 + (sharer * UNITS < tile_start).to(tl.int32)
-                    acc += tl.load(part_ptr + slot * BLOCK_N * BLOCK_M + slot_offsets, cache_modifier=".cg")
-                _finish(acc, rn, rm, w_scale_ptr, out_ptr, res_ptr, M, N, stride_om, stride_rm, RESIDUAL)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        unit = tile * steps + last
+    rk = split * per_split + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]
+    w_mask, x_mask = rn[:, None] < N, rm[None, :] < M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, per_split, BLOCK_K):
+        acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.load(x_ptrs, mask=x_mask, other=0.0), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     release(PDL)
-
-
-@triton.jit
-def _finish(acc, rn, rm, w_scale_ptr, out_ptr, res_ptr, M, N, stride_om, stride_rm, RESIDUAL: tl.constexpr):
-    """A tile's epilogue: times the row scales, plus the residual with RESIDUAL, one rounding to bf16."""
+    acc *= tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)[None, :]
     mask = (rn[:, None] < N) & (rm[None, :] < M)
-    acc *= tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
+    if SPLIT_K == 1:
+        acc *= tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
+        if RESIDUAL:
+            acc += tl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(part_ptr + split * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def reduce_kernel(part_ptr, w_scale_ptr, out_ptr, res_ptr, M, N, stride_om, stride_rm, SPLIT_K: tl.constexpr,
+                  BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n (plus residual[m, n] with
+    RESIDUAL), as bf16. Small: with PDL the next kernel may start as soon as it has waited for the GEMM."""
+    wait(PDL)
+    release(PDL)
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
+    acc *= tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)
     if RESIDUAL:
-        acc += tl.load(res_ptr + rm[None, :] * stride_rm + rn[:, None], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(tl.bfloat16), mask=mask)
+        acc += tl.load(res_ptr + m * stride_rm + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + rn, acc.to(tl.bfloat16), mask=rn < N)
 
 
 def _block_m(m: int) -> int:
@@ -141,6 +116,18 @@ def takes(m: int, n: int, k: int, device: torch.device) -> bool:
     return m <= SPLIT_M or (m <= MAX_M and triton.cdiv(n, CUBLAS_TILE_N) < sm_count(device))
 
 
+def split_k(n: int, k: int, block_k: int, sms: int) -> int:
+    """The fewest splits of K that give a quarter of the SMs a program (at most MAX_SPLIT_K; each split whole
+    BLOCK_Ks). With DEEP_STAGES, Llama-3-8B's o and down (64 tiles: half an H100's SMs) streamed their weights 8–17%
+    faster unsplit than split in two with the reduce after, at 1–32 rows (bench/fp8_gemm.py --streamed,
+    BENCHMARKS.md); splitting to two programs an SM made the H200's decode step slower (4.14 against 3.46 ms at bs 1:
+    the partials and the reduce cost more than the extra programs gave)."""
+    tiles, splits = triton.cdiv(n, BLOCK_N), 1
+    while tiles * splits < sms // 4 and splits < MAX_SPLIT_K and k % (block_k * splits * 2) == 0:
+        splits *= 2
+    return splits
+
+
 def stages(m: int, block_m: int, block_k: int, device: torch.device) -> int:
     """The pipeline's depth: DEEP_STAGES up to SPLIT_M rows where its tiles fit the device's shared memory (6 x 80 x
     256 bytes at 16 rows; on an H100 at 1–32 rows Llama-3-8B's q/k/v, o and down streamed fastest so, gate/up as
@@ -151,52 +138,33 @@ def stages(m: int, block_m: int, block_k: int, device: torch.device) -> int:
     return DEEP_STAGES if deep else NUM_STAGES
 
 
-def counters(device: torch.device) -> torch.Tensor | None:
-    """The zeroed counters the kernel's shared tiles count on, one set a device, made on its first product outside a
-    CUDA-graph capture (fp8_mm makes them at the memory profile's run, before any capture: a capture would record
-    the zeroing, not run it). None while capturing before then: the kernel then takes a tile a program."""
-    found = _counters.get(device)
-    if found is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        found = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return found
-
-
-def spread(m: int, n: int, k: int, block_k: int, sms: int) -> int:
-    """Programs the weight's K loops are spread over, a token tile: up to SPLIT_M rows one an SM (or one a BLOCK_K
-    step where there are fewer), past them a tile a program."""
-    tiles, steps = triton.cdiv(n, BLOCK_N), k // block_k
-    return min(sms, tiles * steps) if m <= SPLIT_M else tiles
-
-
 def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                residual: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """FP8 ``q`` [M, K] with token scales [M] times the FP8 ``weight`` [N, K] with row scales [N] -> bf16 [M, N]
     (plus ``residual`` [M, N], rows contiguous, added in float32 before the one rounding), for a few rows M and K a
-    multiple of 128. ``config`` (BLOCK_N, BLOCK_K, programs a token tile, num_warps, num_stages[, BLOCK_M: default
-    all the tokens]) is for bench/fp8_gemm.py's sweep; None: this module's choice."""
+    multiple of 128. ``config`` (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, BLOCK_M:
+    default all the tokens]) is for bench/fp8_gemm.py's sweep; None: this module's choice. Past SPLIT_M rows K is not
+    split: the float32 partials (splits x M x N) cost more than the programs gain (every best config of the
+    48–128-row sweep had one split)."""
     m, k = q.shape
     n = weight.shape[0]
     if config is None:
         block_k, sms = _block_k(k), sm_count(q.device)
+        splits = split_k(n, k, block_k, sms) if m <= SPLIT_M else 1
         block_m = tokens_a_program(m, n, sms)
-        config = (BLOCK_N, block_k, spread(m, n, k, block_k, sms), NUM_WARPS, stages(m, block_m, block_k, q.device),
-                  block_m)
-    block_n, block_k, programs, num_warps, num_stages, *block_m = config
+        config = (BLOCK_N, block_k, splits, NUM_WARPS, stages(m, block_m, block_k, q.device), block_m)
+    block_n, block_k, splits, num_warps, num_stages, *block_m = config
     block_m = block_m[0] if block_m else _block_m(m)
-    tiles, steps, token_tiles = triton.cdiv(n, block_n), k // block_k, triton.cdiv(m, block_m)
-    units = triton.cdiv(tiles * steps, programs)
-    shared = units % steps != 0
-    found = counters(q.device) if shared else None
-    if shared and (found is None or found.numel() < token_tiles * tiles):
-        units, shared = steps, False  # a tile a program: no counters to share tiles on
-    grid = (triton.cdiv(tiles * steps, units), token_tiles)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
-    part = torch.empty(grid[0] * grid[1] * 2 * block_n * block_m, dtype=torch.float32, device=q.device) if shared \
-        else out
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
     pdl = programmatic_launch.enabled(q.device)
     res = out if residual is None else residual if residual.stride(-1) == 1 else residual.contiguous()
-    _swap_ab_kernel[grid](
-        q, scale, weight, weight_scale, out, part, found if shared else out, res, m, n, k, units, q.stride(0),
-        weight.stride(0), out.stride(0), res.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    _swap_ab_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
+        q, scale, weight, weight_scale, out, part, res, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
+        res.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
         RESIDUAL=residual is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+    if splits > 1:
+        reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
+            part, weight_scale, out, res, m, n, out.stride(0), res.stride(0), SPLIT_K=splits, BLOCK=REDUCE_BLOCK,
+            RESIDUAL=residual is not None, PDL=pdl, launch_pdl=pdl)
     return out
