@@ -1,0 +1,50 @@
+"""The kernel benches that need Triton run: `bench/fp8_gemm.py --check` (its candidates, Kiln's FP8 GEMM among them,
+against the dequantized product) and `bench/kernel_sass.py` (Kiln's kernels built for sm_90 and read in SASS).
+
+Both need Triton, which the CPU CI has not: they run with the GPU tests, or on a CPU host with Triton installed as
+``TRITON_INTERPRET=1 python -m pytest -m gpu tests/test_bench_kernels.py`` (the SASS bench needs no GPU at all). A
+bench that breaks when a kernel's signature changes (as `--check` did when the FP8 GEMM's reduce took a residual) is
+found here, not by the next session that needs its figures."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
+pytestmark = pytest.mark.gpu
+
+
+def _run(*args: str, interpret: bool) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(["bench", os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED),
+                    reason="needs a CUDA device or TRITON_INTERPRET=1 with triton")
+def test_the_fp8_gemm_bench_checks_its_candidates():
+    out = _run("bench/fp8_gemm.py", "--check", interpret=not torch.cuda.is_available())
+    assert "equal to the dequantized product" in out
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its bundled ptxas, nvdisasm and cuobjdump)")
+def test_kernel_sass_reads_every_kernel_kiln_builds():
+    """Each kernel's row: registers and instructions read from the cubin, and the loops the tree's kernels have (the
+    FP8 GEMM's K loop issues its tensor-core dots and asynchronous copies: it is pipelined)."""
+    out = _run("bench/kernel_sass.py", interpret=False)
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([\w-]+) \| \d+ / \d+ \| (\d+) \|.*$", out, re.M)}
+    assert set(rows) == {"decode", "decode-fp8", "prefill", "fp8-gemm", "quantize-glu", "quantize-glu-rows"}, out
+    for row in rows.values():
+        registers = int(row.split("|")[3])
+        assert 0 < registers <= 255, row
+    assert "QGMMA" in rows["fp8-gemm"] and "LDGSTS" in rows["fp8-gemm"], rows["fp8-gemm"]
