@@ -226,17 +226,25 @@ def fp8_case(case: Case, kv_scale: torch.Tensor) -> Case:
     return case
 
 
-# (seq_lens, query_lens): a decode step of short and long contexts (several splits and one), a mixed step
-FP8_CACHE_STEPS = {"decode": ([1, 300, 17, 1030, 64, 2000], [1] * 6), "mixed": ([300, 17, 700, 90], [1, 1, 200, 90])}
+# (seq_lens, query_lens): a decode step of short and long contexts (on a GPU several splits a sequence, and as if on
+# one SM one split: each split count has its own tile), a mixed step
+FP8_CACHE_STEPS = {"decode": ([1, 300, 17, 1030, 64, 2000], [1] * 6),
+                   "decode-one-split": ([1, 300, 17, 1030, 64, 2000], [1] * 6),
+                   "mixed": ([300, 17, 700, 90], [1, 1, 200, 90])}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("step", FP8_CACHE_STEPS)
-def test_an_fp8_cache_is_written_and_read_as_the_reference_does(step, dtype):
+def test_an_fp8_cache_is_written_and_read_as_the_reference_does(step, dtype, monkeypatch):
     """The kernels over an FP8 cache (the keys' scale folded into the scores', the values' into the output) against
     the reference, which multiplies each value back before it attends. The scales put N(0, 1) values over e4m3's
     range up to its clamp at 448, the new tokens' too."""
+    from kiln.attention import triton_kernels as attention_triton
+
     seq_lens, query_lens = FP8_CACHE_STEPS[step]
+    if step == "decode-one-split":
+        monkeypatch.setattr(attention_triton, "sm_count", lambda device: 1)
+        assert attention_triton._decode_splits(len(seq_lens) + 2, 8, 2000, torch.device(DEVICE)) == 1
     case = make_case(seq_lens, query_lens, 32, 8, 128, 16, dtype, padding_rows=2)
     kv_scale = torch.rand(2, 8, device=DEVICE) * 0.02 + 0.005
     if INTERPRETED:  # its float8 cast drops a rounded-up mantissa's carry (a value just under 128 becomes 64): scales

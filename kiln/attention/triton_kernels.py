@@ -49,12 +49,16 @@ MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when t
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value: an FP8 cache's keys and values are clamped to it
 # Decode: (context tokens per loop iteration, num_warps, num_stages) over a cache in the model's dtype, split (small
 # batches) and at one split a sequence (from 4 x SMs / kv heads rows: Llama-3-8B's 66 on 132 SMs), and over an FP8
-# cache. On an H100 64 tokens took bf16's decode 16-19% faster at 128 rows but 5-9% slower at 1 and 32, and a third
-# stage took an FP8 cache's 1-9% faster at every size timed (BENCHMARKS.md, the decode kernels' tile;
-# bench/attention_kernels.py --decode-tiles). Each tile is a kernel variant: the warm-up builds both of bf16's.
+# cache, split and at one split. On an H100 64 tokens took bf16's decode 16-19% faster at 128 rows but 5-9% slower
+# at 1 and 32, and a third stage took an FP8 cache's 1-9% faster at every size timed; over an FP8 cache 64 tokens in
+# two stages took 128 x 1,024 from 154.9 to 117.0 µs on the H200 and from 154.0 to 120.3 on an H100, at 32 rows
+# (several splits) no faster (BENCHMARKS.md, the decode kernels' tile; bench/attention_kernels.py --decode-tiles).
+# Each tile is a kernel variant: the warm-up builds both of a cache's (one split over a narrow table, several over a
+# wide one).
 DECODE_TILE = (32, 4, 2)
 DECODE_TILE_ONE_SPLIT = (64, 4, 2)
 DECODE_TILE_FP8 = (32, 4, 3)
+DECODE_TILE_FP8_ONE_SPLIT = (64, 4, 2)
 DECODE_WAVES = 4  # decode aims at this many programs per multiprocessor
 # Up to this many splits the last split of each (sequence, kv head) merges them; past it the reduce kernel does: the
 # merge reads the splits one after another: at 17 (bs 1, a 1,040-token table, H200) 3.7 µs a layer more than the reduce.
@@ -764,7 +768,7 @@ def _decode(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     qk_scale, cap_scale = _scales(scale, softcap)
     if kv_scale is not None:
-        block_n, num_warps, num_stages = DECODE_TILE_FP8
+        block_n, num_warps, num_stages = DECODE_TILE_FP8_ONE_SPLIT if num_splits == 1 else DECODE_TILE_FP8
     else:
         block_n, num_warps, num_stages = DECODE_TILE_ONE_SPLIT if num_splits == 1 else DECODE_TILE
     counters = meta.split_counters
