@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kiln.quantization.activation_quant import quantize_tokens
 from kiln.quantization.fp8_linear import fp8_linear, quantize_rows
-from kiln.quantization.fp8_small_m import M_TILE, SPLIT_M, small_m_mm
+from kiln.quantization.fp8_small_m import M_TILE, REDUCE_BLOCK, SPLIT_M, reduce_kernel, small_m_mm
 
 # (name, out_features, in_features) of Llama-3-8B's merged projections
 GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
@@ -147,21 +147,7 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm,
         tl.store(part_ptr + split * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
 
-@triton.jit
-def _reduce_kernel(part_ptr, scale_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[m, n] = the sum over the splits of part[s, m, n], times the row scale of n (the weight-only candidates'
-    split-K; Kiln's kernel has its own reduce, with the residual)."""
-    m = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * M * N + m * N + rn, mask=rn < N, other=0.0)
-    acc *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
-    tl.store(out_ptr + m * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
-
-
 MAX_GEMV_TOKENS = 4
-REDUCE_BLOCK = 256  # outputs a reduce program sums
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 SWAP_AB_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 128, 1, 4, 3), (128, 128, 1, 8, 4),
                    (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 4, 4, 3), (128, 128, 4, 8, 3),
@@ -188,9 +174,10 @@ def _launch_split(kernel, x, weight, scale, config, block_m, **constexprs) -> to
     kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, scale, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages, **constexprs)
-    if split_k > 1:
-        _reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, scale, out, m, n, out.stride(0), SPLIT_K=split_k,
-                                                           BLOCK=REDUCE_BLOCK)
+    if split_k > 1:  # Kiln's split-K reduce, without a residual (its output is bf16, as x is here)
+        reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](part, scale, out, out, m, n, out.stride(0), 0,
+                                                          SPLIT_K=split_k, BLOCK=REDUCE_BLOCK, RESIDUAL=False,
+                                                          PDL=False)
     return out
 
 
