@@ -236,9 +236,9 @@ FP8_CACHE_STEPS = {"decode": ([1, 300, 17, 1030, 64, 2000], [1] * 6),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("step", FP8_CACHE_STEPS)
 def test_an_fp8_cache_is_written_and_read_as_the_reference_does(step, dtype, monkeypatch):
-    """The kernels over an FP8 cache (the keys' scale folded into the scores', the values' into the output) against
-    the reference, which multiplies each value back before it attends. The scales put N(0, 1) values over e4m3's
-    range up to its clamp at 448, the new tokens' too."""
+    """The kernels over an FP8 cache (the keys' scale folded into the scores', each value tile multiplied by its scale
+    as it is read) against the reference, which multiplies each value back before it attends. The scales put N(0, 1)
+    values over e4m3's range up to its clamp at 448, the new tokens' too."""
     from kiln.attention import triton_kernels as attention_triton
 
     seq_lens, query_lens = FP8_CACHE_STEPS[step]
