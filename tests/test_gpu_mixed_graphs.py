@@ -163,17 +163,21 @@ def _random_request(rng: random.Random, name: str) -> exec_pb2.GenerateRequest:
     return request
 
 
-@pytest.mark.parametrize("quantization, runtime_mode, paths", [
-    ("", exec_pb2.RUNTIME_MODE_CUDAGRAPH, {"full_graph", "mixed_graph", "compiled"}),
+@pytest.mark.parametrize("quantization, kv_cache_dtype, runtime_mode, paths", [
+    ("", "", exec_pb2.RUNTIME_MODE_CUDAGRAPH, {"full_graph", "mixed_graph", "compiled"}),
     # every step launched from Python: Kiln's FP8 product at every row count 1-128, its row blocks warmed at load
-    ("fp8", exec_pb2.RUNTIME_MODE_COMPILED, {"compiled"}),
-], ids=["bf16-graphs", "fp8-compiled"])
-def test_nothing_compiles_builds_or_autotunes_after_ready(graph_servers, quantization, runtime_mode, paths):
+    ("fp8", "", exec_pb2.RUNTIME_MODE_COMPILED, {"compiled"}),
+    # an FP8 cache's decode tiles (one split, several) built by the warm-up, not by a batch size's first step
+    ("fp8", "fp8_e4m3", exec_pb2.RUNTIME_MODE_CUDAGRAPH, {"full_graph", "mixed_graph", "compiled"}),
+], ids=["bf16-graphs", "fp8-compiled", "fp8-kv-graphs"])
+def test_nothing_compiles_builds_or_autotunes_after_ready(graph_servers, quantization, kv_cache_dtype, runtime_mode,
+                                                          paths):
     stub, _, steps = graph_servers
-    name = f"after-ready-{quantization or 'bf16'}"
+    name = f"after-ready-{quantization or 'bf16'}-{kv_cache_dtype or 'model'}"
     request = _request(name, GEMMA2, dtype="bfloat16", tokens=2048, max_model_len=2100, max_num_seqs=128)
     request.runtime_mode = runtime_mode
     request.config.quantization = quantization
+    request.kv_cache_dtype = kv_cache_dtype
     events = list(stub.LoadModel(request))
     assert bool(events[-1].ready.piecewise_capture_sizes) == (runtime_mode == exec_pb2.RUNTIME_MODE_CUDAGRAPH)
     before = (compile_counts(), _triton_builds(), _triton_cache_files(), _autotunings())
