@@ -8,8 +8,8 @@ arguments are specialised as Triton's JIT specialises a real launch (16-byte-ali
 16, strides of 1 as constants), except those the kernel marks ``do_not_specialize``. Timing stays the GPU's: this
 counts instructions, it does not run them.
 
-usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,prefill,fp8-gemm,quantize-glu,quantize-glu-rows]
-                                  [--arch 90]
+usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,decode-fp8-one-split,prefill,fp8-gemm,
+                                             quantize-glu,quantize-glu-rows] [--arch 90]
 """
 
 import argparse
@@ -47,9 +47,10 @@ def _attention_kernels() -> dict:
     cache = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16")
     heads = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, SOFTCAP=False, DOT_PRECISION="tf32")
     kernels = {}
-    for name, fp8 in (("decode", False), ("decode-fp8", True)):
+    for name, fp8, tile in (("decode", False, attention.DECODE_TILE), ("decode-fp8", True, attention.DECODE_TILE_FP8),
+                            ("decode-fp8-one-split", True, attention.DECODE_TILE_FP8_ONE_SPLIT)):
         kv = "*fp8e4nv" if fp8 else "*bf16"
-        block_n, warps, stages = attention.DECODE_TILE_FP8 if fp8 else attention.DECODE_TILE
+        block_n, warps, stages = tile
         scales = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32") if fp8 else {}
         kernels[name] = Build(
             attention._decode_split_kernel,
