@@ -8,7 +8,7 @@ arguments are specialised as Triton's JIT specialises a real launch (16-byte-ali
 16, strides of 1 as constants), except those the kernel marks ``do_not_specialize``. Timing stays the GPU's: this
 counts instructions, it does not run them.
 
-usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,decode-fp8-one-split,prefill,fp8-gemm,
+usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,decode-fp8-one-split,prefill,prefill-fp8,fp8-gemm,
                                              quantize-glu,quantize-glu-rows] [--arch 90]
 """
 
@@ -61,12 +61,16 @@ def _attention_kernels() -> dict:
                  **({} if fp8 else dict(k_scale_ptr=None, v_scale_ptr=None))),
             ("stride_qd", "stride_cd"), warps, stages)
     block_m, block_n, warps, stages = attention.PREFILL_CONFIG
-    kernels["prefill"] = Build(
-        attention._prefill_kernel,
-        dict(cache, q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16"),
-        dict(heads, k_scale_ptr=None, v_scale_ptr=None, GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, KV_SCALED=False,
-             SKIP_DECODES=False, STEP_KV=attention.PREFILL_STEP_KV, HEAVY_FIRST=attention.PREFILL_HEAVY_FIRST),
-        ("stride_qd", "stride_kd", "stride_vd", "stride_cd"), warps, stages)
+    for name, fp8 in (("prefill", False), ("prefill-fp8", True)):
+        kv = "*fp8e4nv" if fp8 else "*bf16"
+        scales = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32") if fp8 else {}
+        kernels[name] = Build(
+            attention._prefill_kernel,
+            dict(cache, q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, **scales),
+            dict(heads, GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, KV_SCALED=fp8, SKIP_DECODES=False,
+                 STEP_KV=attention.PREFILL_STEP_KV and not fp8, HEAVY_FIRST=attention.PREFILL_HEAVY_FIRST,
+                 **({} if fp8 else dict(k_scale_ptr=None, v_scale_ptr=None))),
+            ("stride_qd", "stride_kd", "stride_vd", "stride_cd"), warps, stages)
     return kernels
 
 

@@ -236,9 +236,10 @@ FP8_CACHE_STEPS = {"decode": ([1, 300, 17, 1030, 64, 2000], [1] * 6),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("step", FP8_CACHE_STEPS)
 def test_an_fp8_cache_is_written_and_read_as_the_reference_does(step, dtype, monkeypatch):
-    """The kernels over an FP8 cache (the keys' scale folded into the scores', each value tile multiplied by its scale
-    as it is read) against the reference, which multiplies each value back before it attends. The scales put N(0, 1)
-    values over e4m3's range up to its clamp at 448, the new tokens' too."""
+    """The kernels over an FP8 cache (the keys' scale folded into the scores'; with a bf16 query the tiles read by
+    their bits and the value scale applied to the output, else each value tile multiplied by its scale as it is
+    read) against the reference, which multiplies each value back before it attends. The scales put N(0, 1) values
+    over e4m3's range up to its clamp at 448, the new tokens' too."""
     from kiln.attention import triton_kernels as attention_triton
 
     seq_lens, query_lens = FP8_CACHE_STEPS[step]
@@ -254,6 +255,21 @@ def test_an_fp8_cache_is_written_and_read_as_the_reference_does(step, dtype, mon
             held = (x.float() / scale[:, None]).clamp(-attention_reference.FP8_MAX, attention_reference.FP8_MAX)
             x.copy_(held.to(FP8).float() * scale[:, None])
     check(fp8_case(case, kv_scale))
+
+
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_an_fp8_caches_smallest_values_are_read_as_they_are(step):
+    """A bf16 query reads an FP8 cache by its bits (e4m3 placed in bf16's low exponent bits, each value 2^-120 of
+    itself): values of e4m3's subnormal range and its smallest normals, from a scale of 1 over N(0, 0.01) data, must
+    reach the dots as they are stored, not flushed to zero; the new tokens' too."""
+    seq_lens, query_lens = FP8_CACHE_STEPS[step]
+    case = make_case(seq_lens, query_lens, 32, 8, 128, 16, torch.bfloat16, padding_rows=2)
+    for x in (case.k, case.v, case.kv_cache):
+        x.mul_(0.01)
+    case = fp8_case(case, torch.ones(2, 8, device=DEVICE))
+    stored = case.kv_cache.float().abs()
+    assert ((stored > 0) & (stored < 2.0 ** -6)).float().mean() > 0.4  # most of the cache is subnormal in e4m3
+    check(case)
 
 
 # (seq_lens, query_lens): fresh prefill, mixed prefill + decode (the leading decodes go to the decode kernels),
