@@ -236,10 +236,9 @@ FP8_CACHE_STEPS = {"decode": ([1, 300, 17, 1030, 64, 2000], [1] * 6),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("step", FP8_CACHE_STEPS)
 def test_an_fp8_cache_is_written_and_read_as_the_reference_does(step, dtype, monkeypatch):
-    """The kernels over an FP8 cache (the keys' scale folded into the scores'; with a bf16 query the tiles read by
-    their bits and the value scale applied to the output, else each value tile multiplied by its scale as it is
-    read) against the reference, which multiplies each value back before it attends. The scales put N(0, 1) values
-    over e4m3's range up to its clamp at 448, the new tokens' too."""
+    """The kernels over an FP8 cache (the keys' scale folded into the scores', each value tile multiplied by its scale
+    as it is read) against the reference, which multiplies each value back before it attends. The scales put N(0, 1)
+    values over e4m3's range up to its clamp at 448, the new tokens' too."""
     from kiln.attention import triton_kernels as attention_triton
 
     seq_lens, query_lens = FP8_CACHE_STEPS[step]
@@ -259,9 +258,9 @@ def test_an_fp8_cache_is_written_and_read_as_the_reference_does(step, dtype, mon
 
 @pytest.mark.parametrize("step", ["decode", "mixed"])
 def test_an_fp8_caches_smallest_values_are_read_as_they_are(step):
-    """A bf16 query reads an FP8 cache by its bits (e4m3 placed in bf16's low exponent bits, each value 2^-120 of
-    itself): values of e4m3's subnormal range and its smallest normals, from a scale of 1 over N(0, 0.01) data, must
-    reach the dots as they are stored, not flushed to zero; the new tokens' too."""
+    """Values of e4m3's subnormal range and its smallest normals (most of a cache written at the default scale of 1
+    from N(0, 0.01) data; the new tokens' too) reach the dots as they are stored, not flushed to zero, as any
+    change to how the kernels widen the cache's bytes must keep them."""
     seq_lens, query_lens = FP8_CACHE_STEPS[step]
     case = make_case(seq_lens, query_lens, 32, 8, 128, 16, torch.bfloat16, padding_rows=2)
     for x in (case.k, case.v, case.kv_cache):

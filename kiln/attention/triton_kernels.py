@@ -30,11 +30,7 @@ switch cuBLAS follows for the model's own matmuls. The output has q's dtype. Row
 padding (sequence length 0) produce zeros.
 
 An FP8 cache (``kv_scale`` given) is written divided by each kv head's scale: the key scale is folded into the
-scores' scale. With a bf16 query the tiles are read as bf16 by their bits (``_fp8_as_bf16``: integer operations
-instead of the two conversions an element Triton emits for e4m3 -> bf16, which bound the FP8 decode), each value
-then 2^-120 of itself: the query and the softmax weights enter the dots times 2^64, the scores' scale and the output
-make up the rest, and the value scale multiplies the output once (``_kv_scaling``). Otherwise each value tile is
-multiplied by its scale as it is read (``_online_softmax``).
+scores' scale, and each value tile is multiplied by its scale as it is read (``_online_softmax``).
 """
 
 
@@ -51,10 +47,6 @@ LOG2E = 1.4426950408889634
 MAX_DECODE_SPLITS = 64  # upper bound on the splits of one sequence's context in decode
 MIN_SPLIT_TOKENS = 64  # a split reads at least this many context tokens, when the cache can hold that many
 FP8_MAX = tl.constexpr(448.0)  # float8_e4m3fn's largest finite value: an FP8 cache's keys and values are clamped to it
-# e4m3's bits placed in a bf16 read as 2^-120 of the value (exponent biases 7 and 127). The query and the softmax
-# weights are raised by 2^64 for the dots, which keeps every product in fp32's normal range; 2^(120 - 64) is left.
-FP8_BF16_SHIFT = tl.constexpr(2.0**64)
-FP8_BF16_REST = tl.constexpr(2.0**56)
 # Decode: (context tokens per loop iteration, num_warps, num_stages) over a cache in the model's dtype, split (small
 # batches) and at one split a sequence (from 4 x SMs / kv heads rows: Llama-3-8B's 66 on 132 SMs), and over an FP8
 # cache, split and at one split. On an H100 64 tokens took bf16's decode 16-19% faster at 128 rows but 5-9% slower
@@ -149,46 +141,6 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _fp8_as_bf16(x):
-    """e4m3 values as the bf16s their bits make, each 2^-120 of its value, exactly (subnormals too): the sign moved
-    to bf16's, exponent and mantissa to the low bits of bf16's; 4 values in 8 integer instructions where Triton's
-    e4m3 -> bf16 takes two conversions a value on the SM's conversion unit, which bounded the FP8 decode. Not pure
-    for Triton, so that it stays where the tile is loaded: a pure one is moved past the shared-memory copy into the
-    dot's operand layout, where it works byte by byte (a decode loop step of 563 SASS instructions against 374)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a<2>, b<2>;
-        prmt.b32 a0, 0, $2, 0x5040;
-        prmt.b32 a1, 0, $2, 0x7060;
-        and.b32 b0, a0, 0x7f007f00;
-        and.b32 b1, a1, 0x7f007f00;
-        shr.b32 b0, b0, 4;
-        shr.b32 b1, b1, 4;
-        lop3.b32 $0, b0, 0x80008000, a0, 0xf8;
-        lop3.b32 $1, b1, 0x80008000, a1, 0xf8;
-        }""",
-        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=False, pack=4)
-
-
-@triton.jit
-def _kv_scaling(q, qk_scale, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED: tl.constexpr):
-    """(q for the dots, the scores' scale, the value scale for ``_online_softmax``, the output's scale) of one kv
-    head. KV_SCALED (an FP8 cache): the key scale is folded into the scores' scale; with a bf16 q, which reads the
-    cache by its bits (``_fp8_as_bf16``), q is raised by 2^64 and the scores' scale and the output make up the
-    other 2^56, the output taking the value scale too."""
-    v_scale = 1.0
-    out_scale = 1.0
-    if KV_SCALED:
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-        v_scale = tl.load(v_scale_ptr + kv_head)
-        if q.dtype == tl.bfloat16:
-            q = (q.to(tl.float32) * FP8_BF16_SHIFT).to(tl.bfloat16)
-            qk_scale = qk_scale * FP8_BF16_REST
-            out_scale = v_scale * FP8_BF16_REST
-    return q, qk_scale, v_scale, out_scale
-
-
-@triton.jit
 def _online_softmax(
     q,
     m_i,
@@ -216,15 +168,11 @@ def _online_softmax(
     also those ``window`` or more before it. Scores are ``dot * qk_scale`` in log2 units; with SOFTCAP they are
     ``cap_scale * tanh(dot * qk_scale)`` (the caller folds the cap and log2(e) into the two scales). Without SOFTCAP
     the row maxima are taken over the dots and scaled after (qk_scale > 0), and the scale goes into the exponent's
-    one multiply-add: one operation a score fewer than scaling every score first. V_SCALED (an FP8 cache): with a
-    bf16 q (raised by ``_kv_scaling``), k and v are read as bf16 by their bits and the weights enter the value dot
-    times 2^64; else each value is multiplied by ``v_scale`` in fp32 and rounded to q's dtype, as the reference reads
-    them (the multiply also makes Triton convert the tile before it goes to shared memory, where the dot reads it as
-    16-bit rows instead of byte by byte: 557 instructions a loop step of the decode kernel become 480, SASS).
+    one multiply-add: one operation a score fewer than scaling every score first. V_SCALED (an FP8 cache's values):
+    each value is multiplied by ``v_scale`` in fp32 and rounded to q's dtype, as the reference reads them; the
+    multiply also makes Triton convert the tile before it goes to shared memory, where the dot reads it as 16-bit
+    rows (ldmatrix) instead of byte by byte: 557 instructions a loop step of the decode kernel become 480 (SASS).
     """
-    if V_SCALED and q.dtype == tl.bfloat16:
-        k = _fp8_as_bf16(k)
-        v = _fp8_as_bf16(v)
     dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     if SOFTCAP:
         dots = cap_scale * (2.0 * tl.sigmoid(2.0 * dots * qk_scale) - 1.0)  # tanh, in log2 units: a scale of 1
@@ -242,10 +190,7 @@ def _online_softmax(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_SCALED:
-        if q.dtype == tl.bfloat16:
-            p = p * FP8_BF16_SHIFT
-        else:
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -444,7 +389,10 @@ def _decode_split_kernel(
         other=0.0,
     )
 
-    q, qk_scale, v_scale, out_scale = _kv_scaling(q, qk_scale, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
+    v_scale = 1.0
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -485,8 +433,6 @@ def _decode_split_kernel(
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    if KV_SCALED:
-        out = out * out_scale
     row_mask = groups < GROUP
     out_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
     dest = out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
@@ -653,6 +599,10 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = tl.maximum(seq_len - q_len, 0)  # context tokens before this step's queries (a padding row: none)
     kv_head = head // GROUP
+    v_scale = 1.0
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < q_len
@@ -665,7 +615,6 @@ def _prefill_kernel(
         other=0.0,
     )
     q_pos = prefix + rows
-    q, qk_scale, v_scale, out_scale = _kv_scaling(q, qk_scale, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -734,8 +683,6 @@ def _prefill_kernel(
             )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if KV_SCALED:
-        out = out * out_scale
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
