@@ -55,22 +55,28 @@ def warm_up_blocks(block_size: int) -> int:
 
 def warm_up_paged_attention(forward: ModelForward, kv_caches: list[torch.Tensor], block_size: int,
                             device: str, kv_scales: list[torch.Tensor] | None = None) -> None:
-    """A two-token prefill, then one decode step, of one sequence through a paged KV cache, the decode again over a
-    table 1,024 tokens wide, then a mixed step (that decode beside a second sequence's two-token prefill): the
-    attention kernels are built here (Triton's JIT), both variants of the prefill kernel and of the decode kernel
-    among them, not in a request's first step. The decode kernel's variant follows the splits of a sequence's
-    context, which follow the table's width: one split over the narrow table, several over the wide one.
-    ``kv_caches`` need only its first blocks."""
+    """A two-token prefill, then one decode step, of one sequence through a paged KV cache, the decode again over
+    tables 256 and 1,024 tokens wide, then a mixed step (that decode beside a second sequence's two-token prefill):
+    the attention kernels are built here (Triton's JIT), every variant of the prefill kernel and of the decode
+    kernel among them, not in a request's first step. The decode kernel's variant follows the splits of a
+    sequence's context, which follow the table's width: one split over the narrow table, several over the others,
+    merged by the last split (4 of at least 64 tokens over 256, on CUDA with split counters as a serving step has
+    them) or by the reduce kernel (over 1,024). ``kv_caches`` need only its first blocks."""
     if kv_caches[0].shape[1] < warm_up_blocks(block_size):
         return
     tables = torch.arange(warm_up_blocks(block_size), dtype=torch.int32, device=device).view(2, -1)
-    wide = torch.zeros(1, -(-1024 // block_size), dtype=torch.int32, device=device)  # past 3 tokens, never read
-    wide[0, :tables.shape[1]] = tables[0]
+    wide = {}
+    for width in (256, 1024):  # past 3 tokens, never read
+        wide[width] = torch.zeros(1, -(-width // block_size), dtype=torch.int32, device=device)
+        wide[width][0, :tables.shape[1]] = tables[0]
     second = int(tables[1, 0]) * block_size
+    counters = (torch.zeros(2, kv_caches[0].shape[3], dtype=torch.int32, device=device)
+                if torch.device(device).type == "cuda" else None)
     # (positions, slots, query starts, sequence lengths, block tables, decodes first)
     steps = ((range(0, 2), range(0, 2), [0, 2], [2], tables[:1], 0),
              (range(2, 3), range(2, 3), [0, 1], [3], tables[:1], 1),
-             (range(2, 3), range(2, 3), [0, 1], [3], wide, 1),
+             (range(2, 3), range(2, 3), [0, 1], [3], wide[256], 1),
+             (range(2, 3), range(2, 3), [0, 1], [3], wide[1024], 1),
              ([2, 0, 1], [2, second, second + 1], [0, 1, 3], [3, 2], tables, 1))
     for positions, slots, starts, lens, table, decodes in steps:
         positions = torch.tensor(list(positions), device=device)
@@ -78,5 +84,6 @@ def warm_up_paged_attention(forward: ModelForward, kv_caches: list[torch.Tensor]
             slot_mapping=torch.tensor(list(slots), device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), block_tables=table,
-            max_query_len=max(b - a for a, b in pairwise(starts)), num_seqs=len(table), num_decodes=decodes)
+            max_query_len=max(b - a for a, b in pairwise(starts)), num_seqs=len(table), num_decodes=decodes,
+            split_counters=counters)
         forward(torch.zeros_like(positions), positions, kv_caches, metadata, kv_scales)
