@@ -217,6 +217,56 @@ def test_decode_builds_no_kernel_of_its_own_at_any_batch_size():
     assert splits[0] > 1 and splits[1] == 1 and len(set(splits)) > 4 and built() == first
 
 
+@needs_cuda
+@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter builds no kernels")
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+def test_the_warm_up_builds_every_decode_variant_a_serving_step_takes(fp8):
+    """The execute service's attention warm-up, then decode steps as serving launches them from Python (split
+    counters for every row, tables as wide as a 2,100-token model's) at every batch size from 1 to 128: one split
+    (the largest), 2-4 merged by the last split, more left to the reduce; nothing built past the warm-up. A shape of
+    its own (24 heads over 8 kv heads of 48), so that no other test has built its variants before: the warm-up must."""
+    from exec_service.startup.compiled_function import warm_up_blocks, warm_up_paged_attention
+    from kiln.attention import triton_kernels as attention_triton
+
+    num_heads, num_kv_heads, head_dim, block_size, max_seqs = 24, 8, 48, 16, 128
+    cache_dtype = FP8 if fp8 else torch.bfloat16
+    kv_scales = [torch.full((2, num_kv_heads), 0.05, device=DEVICE)] if fp8 else None
+    kernels = (attention_triton._decode_split_kernel, attention_triton._decode_reduce_kernel)
+
+    def built() -> set:
+        return {(kernel.__name__, str(key)) for kernel in kernels for cache in kernel.device_caches.values()
+                for key in cache[0]}
+
+    def forward(input_ids, positions, kv_caches, meta, scales):
+        """The model's one attention layer, its q/k/v random."""
+        q, k, v = torch.randn(num_heads + 2 * num_kv_heads, len(positions), head_dim, dtype=torch.bfloat16,
+                              device=DEVICE).split([num_heads, num_kv_heads, num_kv_heads])
+        attention_triton.paged_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), kv_caches[0], meta,
+                                         head_dim**-0.5, kv_scale=scales[0] if scales else None)
+
+    scratch = torch.zeros(2, warm_up_blocks(block_size), block_size, num_kv_heads, head_dim, dtype=cache_dtype,
+                          device=DEVICE)
+    warm_up_paged_attention(forward, [scratch], block_size, DEVICE, kv_scales)
+    warmed = built()
+    counters = torch.zeros(max_seqs, num_kv_heads, dtype=torch.int32, device=DEVICE)
+    width = -(-2100 // block_size)
+    rng = random.Random(29)
+    splits = set()
+    for batch in range(1, max_seqs + 1):
+        case = make_case([rng.randint(1, 2100) for _ in range(batch)], [1] * batch, num_heads, num_kv_heads, head_dim,
+                         block_size, torch.bfloat16)
+        tables = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
+        tables[:, :case.meta.block_tables.shape[1]] = case.meta.block_tables[:, :width]
+        case.meta = dataclasses.replace(case.meta, block_tables=tables, split_counters=counters)
+        if fp8:
+            case = fp8_case(case, kv_scales[0])
+        forward(None, case.meta.slot_mapping, [case.kv_cache], case.meta, kv_scales)
+        splits.add(attention_triton._decode_splits(batch, num_kv_heads, width * block_size, case.q.device))
+    assert 1 in splits and splits & set(range(2, attention_triton.MERGE_MAX_SPLITS + 1))
+    assert max(splits) > attention_triton.MERGE_MAX_SPLITS
+    assert built() == warmed, f"built after the warm-up: {sorted(built() - warmed)}"
+
+
 def fp8_case(case: Case, kv_scale: torch.Tensor) -> Case:
     """The case over an FP8 cache holding its cache's values divided by each kv head's scale ([2, Hkv]: keys',
     values'), as the execute service's FP8 KV cache stores them."""
