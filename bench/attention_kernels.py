@@ -3,7 +3,8 @@
 Decode is memory-bound, so it is reported as achieved GB/s of KV cache read against the device's copy bandwidth;
 prefill as TFLOP/s of causal attention. Run from the repository root: ``python -m bench.attention_kernels``.
 ``--decode-tiles 32,4,2:64,4,3`` times the decode kernels at each tile (context tokens a loop step, warps, stages)
-over a bfloat16 and an FP8 cache at serving's batch sizes, each output checked against the first tile's.
+over a bfloat16 and an FP8 cache at serving's batch sizes, each output checked against the first tile's; with
+``--decode-waves 4,8`` at each count of programs an SM the splits aim at too (``DECODE_WAVES``).
 ``--prefill-tiles 128,32,8,2:64,32,4,2`` times the prefill kernel at each tile (query tokens a program, context
 tokens a step, warps, stages) and each way of reading the step's own tokens and ordering its programs instead, each
 output checked against the first run's.
@@ -98,17 +99,19 @@ def bench_prefill(batch: int, length: int) -> None:
 DECODE_SWEEP_CASES = [(1, 1024), (32, 1024), (64, 512), (128, 384), (128, 1024)]
 
 
-def sweep_decode_tiles(tiles: list[tuple[int, int, int]]) -> None:
+def sweep_decode_tiles(tiles: list[tuple[int, int, int]], waves: list[int]) -> None:
     """Each decode tile's time (replayed from a CUDA graph) at each of DECODE_SWEEP_CASES over a bfloat16 and an FP8
-    cache, as µs and the KV read's GB/s; and each output's largest difference from the first tile's."""
+    cache, at each count of programs an SM the splits aim at, as µs and the KV read's GB/s; and each output's largest
+    difference from the first run's."""
     cases = [(batch, context, fp8) for fp8 in (False, True) for batch, context in DECODE_SWEEP_CASES]
     steps = {case: make_step([case[1]] * case[0], [1] * case[0], case[2]) for case in cases}
-    print("| tile | " + " | ".join(f"{'FP8' if fp8 else 'bf16'} {batch} x {context} µs (GB/s)"
-                                   for batch, context, fp8 in cases) + " | largest difference |")
-    print("|---|" + "---|" * (len(cases) + 1))
+    print("| tile | programs an SM | " + " | ".join(f"{'FP8' if fp8 else 'bf16'} {batch} x {context} µs (GB/s)"
+                                                   for batch, context, fp8 in cases) + " | largest difference |")
+    print("|---|---|" + "---|" * (len(cases) + 1))
     first = {}
-    for tile in tiles:
+    for tile, wave in ((tile, wave) for tile in tiles for wave in waves):
         triton_kernels.DECODE_TILE = triton_kernels.DECODE_TILE_ONE_SPLIT = triton_kernels.DECODE_TILE_FP8 = tile
+        triton_kernels.DECODE_WAVES = wave
         cells, diff = [], 0.0
         for (batch, context, fp8), args in steps.items():
             out = paged_attention(*args).float()
@@ -116,7 +119,7 @@ def sweep_decode_tiles(tiles: list[tuple[int, int, int]]) -> None:
             ms = do_bench_cudagraph(lambda args=args: paged_attention(*args), return_mode="median")
             kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * (1 if fp8 else DTYPE.itemsize)
             cells.append(f"{ms * 1e3:.1f} ({kv_bytes / ms / 1e6:.0f})")
-        print(f"| {tile} | " + " | ".join(cells) + f" | {diff:.4f} |", flush=True)
+        print(f"| {tile} | {wave} | " + " | ".join(cells) + f" | {diff:.4f} |", flush=True)
 
 
 # Prefill steps the sweep times: fresh prompts, a chunk over a cached prefix, and decodes beside a long chunk.
@@ -154,10 +157,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prefill-tiles", help="colon-separated tiles, each BLOCK_M,BLOCK_N,num_warps,num_stages")
     p.add_argument("--decode-tiles", help="colon-separated tiles, each BLOCK_N,num_warps,num_stages")
+    p.add_argument("--decode-waves", default=str(triton_kernels.DECODE_WAVES),
+                   help="with --decode-tiles: comma-separated programs an SM the decode's splits aim at")
     args = p.parse_args()
     torch.manual_seed(0)
     if args.decode_tiles:
-        sweep_decode_tiles([tuple(int(v) for v in tile.split(",")) for tile in args.decode_tiles.split(":")])
+        sweep_decode_tiles([tuple(int(v) for v in tile.split(",")) for tile in args.decode_tiles.split(":")],
+                           [int(v) for v in args.decode_waves.split(",")])
     if args.prefill_tiles:
         sweep_prefill_tiles([tuple(int(v) for v in tile.split(",")) for tile in args.prefill_tiles.split(":")])
     if args.decode_tiles or args.prefill_tiles:
