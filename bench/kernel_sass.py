@@ -42,6 +42,15 @@ class Build(NamedTuple):
     num_stages: int
 
 
+def _kv_cache(fp8: bool) -> tuple[dict, dict]:
+    """(pointer types, constexprs) of the attention kernels' cache: FP8 with its scales, or the model's bf16 (its
+    scale pointers None, as the tree launches it)."""
+    if fp8:
+        return (dict(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32"),
+                dict(KV_SCALED=True))
+    return dict(k_cache_ptr="*bf16", v_cache_ptr="*bf16"), dict(KV_SCALED=False, k_scale_ptr=None, v_scale_ptr=None)
+
+
 def _attention_kernels() -> dict:
     """Llama-3-8B's attention (32 query heads, 8 kv heads of 128, blocks of 16) at the tiles the tree picks."""
     cache = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16")
@@ -49,27 +58,23 @@ def _attention_kernels() -> dict:
     kernels = {}
     for name, fp8, tile in (("decode", False, attention.DECODE_TILE), ("decode-fp8", True, attention.DECODE_TILE_FP8),
                             ("decode-fp8-one-split", True, attention.DECODE_TILE_FP8_ONE_SPLIT)):
-        kv = "*fp8e4nv" if fp8 else "*bf16"
         block_n, warps, stages = tile
-        scales = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32") if fp8 else {}
+        pointers, constexprs = _kv_cache(fp8)
         kernels[name] = Build(
             attention._decode_split_kernel,
-            dict(cache, q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                 counters_ptr="*i32", **scales),
-            dict(heads, GROUP=4, BLOCK_G=16, BLOCK_N=block_n, KV_SCALED=fp8, MERGE=True,
-                 BLOCK_S=attention.MAX_DECODE_SPLITS,
-                 **({} if fp8 else dict(k_scale_ptr=None, v_scale_ptr=None))),
+            dict(cache, q_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32", **pointers),
+            dict(heads, GROUP=4, BLOCK_G=16, BLOCK_N=block_n, MERGE=True, BLOCK_S=attention.MAX_DECODE_SPLITS,
+                 **constexprs),
             ("stride_qd", "stride_cd"), warps, stages)
     block_m, block_n, warps, stages = attention.PREFILL_CONFIG
     for name, fp8 in (("prefill", False), ("prefill-fp8", True)):
-        kv = "*fp8e4nv" if fp8 else "*bf16"
-        scales = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32") if fp8 else {}
+        pointers, constexprs = _kv_cache(fp8)
         kernels[name] = Build(
             attention._prefill_kernel,
-            dict(cache, q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, **scales),
-            dict(heads, GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, KV_SCALED=fp8, SKIP_DECODES=False,
+            dict(cache, q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", **pointers),
+            dict(heads, GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, SKIP_DECODES=False,
                  STEP_KV=attention.PREFILL_STEP_KV and not fp8, HEAVY_FIRST=attention.PREFILL_HEAVY_FIRST,
-                 **({} if fp8 else dict(k_scale_ptr=None, v_scale_ptr=None))),
+                 **constexprs),
             ("stride_qd", "stride_kd", "stride_vd", "stride_cd"), warps, stages)
     return kernels
 

@@ -256,7 +256,8 @@ def test_the_warm_up_builds_every_decode_variant_a_serving_step_takes(fp8):
         case = make_case([rng.randint(1, 2100) for _ in range(batch)], [1] * batch, num_heads, num_kv_heads, head_dim,
                          block_size, torch.bfloat16)
         tables = torch.zeros(batch, width, dtype=torch.int32, device=DEVICE)
-        tables[:, :case.meta.block_tables.shape[1]] = case.meta.block_tables[:, :width]
+        used = min(case.meta.block_tables.shape[1], width)  # make_case's tables: each sequence's blocks, 2 spare
+        tables[:, :used] = case.meta.block_tables[:, :used]
         case.meta = dataclasses.replace(case.meta, block_tables=tables, split_counters=counters)
         if fp8:
             case = fp8_case(case, kv_scales[0])
