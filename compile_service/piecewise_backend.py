@@ -20,6 +20,7 @@ from torch.fx.passes.split_module import split_module
 from kiln.compilation.piecewise import CompiledPiece, PiecewiseFunction
 from kiln.model.merged_projections import merge_identical_linears
 from kiln.quantization.activation_quant import route_activation_quantize
+from kiln.quantization.norm_quantize import route_norm_quantize
 from kiln.quantization.residual_add import fuse_residual_add
 from tracing import spans
 
@@ -137,7 +138,7 @@ class PiecewiseBackend:
         self.stats.graph_received_ns = time.time_ns()
         start = time.perf_counter()
         with spans.phase_span(spans.SPLIT, region=self.region) as span:
-            merged, routed = merge_identical_linears(gm), route_activation_quantize(gm)
+            merged, routed = merge_identical_linears(gm), route_activation_quantize(gm) + route_norm_quantize(gm)
             residual_adds = fuse_residual_add(gm)
             split_gm, split_parts = self._split(gm)
             names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]

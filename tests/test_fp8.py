@@ -348,6 +348,38 @@ def test_the_quantizes_inductor_fuses_badly_are_given_kilns_kernel():
     torch.testing.assert_close(routed, unrouted, rtol=0, atol=0)
 
 
+def test_the_norms_before_fp8_products_are_routed_with_their_quantize():
+    """The compile's pass gives the RMSNorms before q/k/v and gate/up, with their quantize, the norm-and-quantize ops
+    (the second with the residual add after o before it, whose sum the layer's last add then reads from the op), and
+    leaves o's and down's quantizes alone; the routed graph computes what the unrouted one does (on the CPU the ops
+    are the same torch ops). On the CPU the compile does not route (the pass is asked to here)."""
+    import operator
+
+    from kiln.quantization.activation_quant import QUANTIZE_TOKENS
+    from kiln.quantization.norm_quantize import add_rms_norm_quantize, rms_norm_quantize, route_norm_quantize
+
+    seen = {}
+
+    def route(gm):
+        seen["on_cuda_only"] = route_norm_quantize(gm)
+        seen["routed"] = route_norm_quantize(gm, devices=("cpu",))
+        seen["again"] = route_norm_quantize(gm, devices=("cpu",))
+        calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+        seen["ops"] = [n.target for n in calls if n.target in (rms_norm_quantize, add_rms_norm_quantize)]
+        seen["left"] = sum(n.target in QUANTIZE_TOKENS for n in calls)
+        seen["norm steps"] = sum(n.target in (torch.rsqrt, "pow", "mean") for n in calls)
+        fused_add, = (n for n in calls if n.target is add_rms_norm_quantize)
+        seen["sum readers"] = [u.target for u in fused_add.users]
+        gm.graph.lint()
+
+    unrouted, routed = tiny_fp8_layer_compiled(), tiny_fp8_layer_compiled(route)
+    assert seen["on_cuda_only"] == 0 and seen["routed"] == 2 and seen["again"] == 0
+    assert seen["ops"] == [rms_norm_quantize, add_rms_norm_quantize]
+    assert seen["left"] == 2 and seen["norm steps"] == 0  # o's and down's quantizes; no norm left unrouted
+    assert sorted(seen["sum readers"], key=str).count(operator.getitem) == 3  # q, scale and the sum
+    torch.testing.assert_close(routed, unrouted, rtol=0, atol=0)
+
+
 def test_the_layers_last_residual_add_is_taken_into_its_fp8_product():
     """The compile's pass gives down's product the residual it is added to (the layer's output), and leaves the add
     after o to Inductor's norm fusion; the fused graph computes what the unfused one does (on the CPU the op adds after

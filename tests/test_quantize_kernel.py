@@ -110,3 +110,47 @@ def test_an_eager_fp8_product_quantizes_its_input_in_one_kernel():
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum("_quantize_kernel" in name for name in kernels) == 1 and len(kernels) <= 3, kernels
+
+
+# Hidden sizes: Llama-3-8B's and 70B's (a program a row holds either), and for the interpreter a small one and one
+# not a power of two.
+NORM_WIDTHS = (4096, 8192) if torch.cuda.is_available() else (64, 200)
+
+
+@pytest.mark.parametrize("width", NORM_WIDTHS)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("added", [False, True], ids=["norm", "add-and-norm"])
+def test_the_norm_kernel_quantizes_as_the_torch_ops(m, width, added):
+    """Kiln's RMSNorm-and-quantize kernel against transformers' Llama RMSNorm and the quantize in torch ops; with a
+    residual, the sum is the torch add's, bit for bit. Rows of very different sizes: each has its own scale."""
+    from kiln.quantization.norm_quantize import rms_norm_quantize_tokens
+    from kiln.quantization.norm_quantize_kernel import rms_norm_quantize_rows
+
+    torch.manual_seed(width + m)
+    x = torch.randn(m, width, device=DEVICE, dtype=torch.bfloat16) * torch.logspace(-2, 2, m, device=DEVICE)[:, None]
+    weight = (torch.rand(width, device=DEVICE) + 0.5).to(torch.bfloat16)
+    residual = torch.randn_like(x) if added else None
+    q, scale, total = rms_norm_quantize_rows(x, weight, 1e-5, residual)
+    want_input = x + residual if added else x
+    assert_same_quantize((q, scale), rms_norm_quantize_tokens(want_input, weight, 1e-5), exact_share=0.99)
+    if added:
+        assert torch.equal(total, want_input)
+    else:
+        assert total is None
+
+
+def test_the_norm_ops_run_the_kernel_on_cuda_and_the_torch_ops_elsewhere():
+    """The ops take [..., K] (a layer's [1, T, K]) and give rows; the add's sum comes back in x's shape."""
+    from kiln.quantization.norm_quantize import add_rms_norm_quantize, rms_norm_quantize, rms_norm_quantize_tokens
+
+    torch.manual_seed(1)
+    width = NORM_WIDTHS[0]
+    x = torch.randn(1, 5, width, device=DEVICE, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    weight = torch.ones(width, device=DEVICE, dtype=torch.bfloat16)
+    q, scale = rms_norm_quantize(x, weight, 1e-6)
+    assert q.shape == (5, width) and scale.shape == (5, 1)
+    assert_same_quantize((q, scale), rms_norm_quantize_tokens(x, weight, 1e-6), exact_share=0.99)
+    q, scale, total = add_rms_norm_quantize(x, residual, weight, 1e-6)
+    assert total.shape == x.shape and torch.equal(total, x + residual)
+    assert_same_quantize((q, scale), rms_norm_quantize_tokens(x + residual, weight, 1e-6), exact_share=0.99)

@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from kiln.compilation.fx_values import as_rows, example_value
+from kiln.compilation.fx_values import as_rows, erase_unused, example_value, through_views
 from kiln.dispatcher_op import dispatcher_op
 
 FP8 = torch.float8_e4m3fn
@@ -57,7 +57,6 @@ def quantize_kernel(x: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Ten
 
 
 QUANTIZE_TOKENS = (torch.ops.kiln.quantize_tokens, torch.ops.kiln.quantize_tokens.default)
-_VIEWS = ("reshape", "view", "contiguous", "unsqueeze", "squeeze", "flatten")
 
 
 def route_activation_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> int:
@@ -71,7 +70,7 @@ def route_activation_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...]
         rows = node.args[0]
         if not _matrix_on(rows, devices):
             continue
-        source = _through_views(rows)
+        source = through_views(rows)
         glu = _silu_mul_operands(source)
         if glu is not None and not _same_rows(glu, rows):
             glu = None
@@ -83,7 +82,7 @@ def route_activation_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...]
         fused.meta = dict(node.meta)
         node.replace_all_uses_with(fused)
         gm.graph.erase_node(node)
-        _erase_unused(rows)
+        erase_unused(rows)
         routed += 1
     if routed:
         gm.recompile()
@@ -108,12 +107,6 @@ def _same_rows(operands: tuple[torch.fx.Node, torch.fx.Node], rows: torch.fx.Nod
         str(values[0].shape[-1]) == str(_shape(rows)[-1]) and values[0].device == example_value(rows).device
 
 
-def _through_views(node: torch.fx.Node) -> torch.fx.Node:
-    while node.op == "call_method" and node.target in _VIEWS and len(node.users) == 1:
-        node = node.args[0]
-    return node
-
-
 def _silu_mul_operands(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(gate, up) where ``node`` is ``silu(gate) * up`` (either order) and nothing else reads the SiLU."""
     if node.op != "call_function" or node.target not in (operator.mul, torch.mul) or len(node.users) != 1:
@@ -134,15 +127,3 @@ def _opaque(node: torch.fx.Node) -> bool:
         node = node.args[0]
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) \
         and str(node.target).split(".")[0] not in ("aten", "prims")
-
-
-def _erase_unused(node: torch.fx.Node) -> None:
-    """Erase ``node`` and the chain of views, product and SiLU it was made of, as far as nothing else reads them."""
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        if current.users or current.op not in ("call_function", "call_method"):
-            continue
-        inputs = current.all_input_nodes
-        current.graph.erase_node(current)
-        pending.extend(inputs)
