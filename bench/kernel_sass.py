@@ -9,7 +9,7 @@ arguments are specialised as Triton's JIT specialises a real launch (16-byte-ali
 counts instructions, it does not run them.
 
 usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,decode-fp8-one-split,prefill,prefill-fp8,fp8-gemm,
-                                             quantize-glu,quantize-glu-rows] [--arch 90]
+                                             quantize-glu,quantize-glu-rows,norm-quantize-add] [--arch 90]
 """
 
 import argparse
@@ -26,10 +26,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kiln.attention import triton_kernels as attention
-from kiln.quantization import fp8_small_m, quantize_kernel
+from kiln.quantization import fp8_small_m, norm_quantize_kernel, quantize_kernel
 
 TOOLS = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
-FLOATS = {"qk_scale", "cap_scale", "min_scale"}
+FLOATS = {"qk_scale", "cap_scale", "min_scale", "eps"}
 
 
 class Build(NamedTuple):
@@ -80,8 +80,9 @@ def _attention_kernels() -> dict:
 
 
 def _quantization_kernels() -> dict:
-    """Kiln's FP8 GEMM at one token (Llama-3-8B's o: K 4,096) and the SiLU x up quantize of a 14,336-wide row, a
-    program a row and (2,048 rows on 132 SMs) a program an SM."""
+    """Kiln's FP8 GEMM at one token (Llama-3-8B's o: K 4,096), the SiLU x up quantize of a 14,336-wide row, a
+    program a row and (2,048 rows on 132 SMs) a program an SM, and the residual add, RMSNorm and quantize of a
+    4,096-wide row."""
     block_k = fp8_small_m._block_k(4096)
     block, one_pass, warps, _ = quantize_kernel._config(2048, 14336, 132)
     return {
@@ -101,6 +102,11 @@ def _quantization_kernels() -> dict:
             dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
             dict(GLU=True, BLOCK=block),
             (), warps, 3),
+        "norm-quantize-add": Build(
+            norm_quantize_kernel._rms_norm_quantize_kernel,
+            dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", sum_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
+            dict(ADD=True, BLOCK=4096),
+            (), norm_quantize_kernel.num_warps(4096), 3),
     }
 
 

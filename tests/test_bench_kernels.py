@@ -43,9 +43,17 @@ def test_kernel_sass_reads_every_kernel_kiln_builds():
     FP8 GEMM's K loop issues its tensor-core dots and asynchronous copies: it is pipelined)."""
     out = _run("bench/kernel_sass.py", interpret=False)
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([\w-]+) \| \d+ / \d+ \| (\d+) \|.*$", out, re.M)}
-    assert set(rows) == {"decode", "decode-fp8", "decode-fp8-one-split", "prefill", "fp8-gemm", "quantize-glu",
-                         "quantize-glu-rows"}, out
+    assert set(rows) == {"decode", "decode-fp8", "decode-fp8-one-split", "prefill", "prefill-fp8", "fp8-gemm",
+                         "quantize-glu", "quantize-glu-rows", "norm-quantize-add"}, out
     for row in rows.values():
         registers = int(row.split("|")[3])
         assert 0 < registers <= 255, row
     assert "QGMMA" in rows["fp8-gemm"] and "LDGSTS" in rows["fp8-gemm"], rows["fp8-gemm"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
+def test_the_norm_quantize_bench_times_kilns_kernel_and_inductors():
+    out = _run("bench/norm_quantize_kernel.py", "--rows", "1,64", "--warps", "8", interpret=False)
+    cell = r"[\d.]+ \([\d.]+\)"
+    rows = re.findall(rf"^\| (norm|add and norm) \| (\d+) \| {cell} \| {cell} \| \d+ \|$", out, re.M)
+    assert sorted(rows) == sorted((case, m) for case in ("norm", "add and norm") for m in ("1", "64")), out

@@ -13,6 +13,7 @@ docs/fp8.md.)
 
 import torch
 
+import kiln.quantization.norm_quantize  # noqa: F401  (registers the norm ops a compiled FP8 layer calls)
 from kiln.quantization.activation_quant import FP8, FP8_MAX, MIN_SCALE
 from kiln.quantization.fp8_mm import fp8_mm
 

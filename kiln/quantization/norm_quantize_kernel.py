@@ -16,7 +16,6 @@ import triton.language as tl
 from kiln.quantization.activation_quant import FP8, MIN_SCALE
 
 FP8_MAX = tl.constexpr(448.0)
-MAX_WIDTH = 16384  # widest row a program holds in registers (Llama-3.1-70B's 8,192 hidden size fits)
 
 
 @triton.jit(do_not_specialize=["width", "stride_x", "stride_res", "stride_sum", "stride_q", "eps"])
@@ -41,10 +40,15 @@ def _rms_norm_quantize_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, 
     tl.store(scale_ptr + row, scale)
 
 
-def rms_norm_quantize_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def num_warps(width: int) -> int:
+    """Warps a program: 16 values of a 4,096-wide row a thread (8 warps), at least 4 and at most 16 warps."""
+    return max(4, min(16, triton.next_power_of_2(width) // 512))
+
+
+def rms_norm_quantize_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                           warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x`` [M, K] (plus ``residual`` [M, K]), rows contiguous, ``weight`` [K] -> (float8 [M, K], float32 scale
-    [M, 1], the sum [M, K] or None without ``residual``)."""
+    [M, 1], the sum [M, K] or None without ``residual``). ``warps`` is for a sweep; None: ``num_warps(K)``."""
     m, width = x.shape
     q = torch.empty(m, width, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
@@ -55,5 +59,5 @@ def rms_norm_quantize_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, re
     res, out = (x, x) if residual is None else (residual, total)
     _rms_norm_quantize_kernel[(m,)](x, res, weight, out, q, scale, width, x.stride(0), res.stride(0), out.stride(0),
                                     q.stride(0), eps, MIN_SCALE, ADD=residual is not None, BLOCK=block,
-                                    num_warps=max(4, min(16, block // 512)))
+                                    num_warps=warps or num_warps(width))
     return q, scale, total
