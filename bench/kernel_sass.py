@@ -1,5 +1,5 @@
-"""What Triton builds for Kiln's own kernels on a Hopper, without a GPU: registers, shared memory, spills and the
-machine instructions (SASS) of each loop, per kernel at the tile the tree picks.
+"""What Triton builds for Kiln's own kernels on a Hopper, without a GPU: registers, shared memory, spills, the
+machine instructions (SASS) of each loop and the width of each global load, per kernel at the tile the tree picks.
 
 Triton compiles for a target it is given (here sm_90, with its bundled ptxas, nvdisasm and cuobjdump), so a CPU host
 can read what a kernel change does to the instruction stream before any device time is spent: a memory-bound loop
@@ -159,7 +159,19 @@ def describe(name: str, build: Build, arch: int) -> str:
     body = "; ".join(f"{count}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
                      for count, ops in loops(sass) if count >= 20) or "-"
     total = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
-    return f"| {name} | {build.num_warps} / {build.num_stages} | {regs} | {stack} | {shared:.1f} | {total} | {body} |"
+    return (f"| {name} | {build.num_warps} / {build.num_stages} | {regs} | {stack} | {shared:.1f} | {total} | {body} | "
+            f"{global_loads(sass)} |")
+
+
+def global_loads(sass: str) -> str:
+    """The kernel's loads from global memory (LDG, and LDGSTS: to shared memory) by bits a thread, as "32x16 2x128":
+    a memory-bound kernel reading 16 bits a load issues eight loads where a 128-bit one would do."""
+    widths = collections.Counter()
+    for op in re.findall(r"\b(LDG(?:STS)?(?:\.[A-Z0-9]+)*)(?![A-Z])", sass):
+        parts = set(op.split("."))
+        widths[next((w for w in ("128", "64") if w in parts), "8" if "U8" in parts or "S8" in parts
+                    else "16" if "U16" in parts or "S16" in parts else "32")] += 1
+    return " ".join(f"{n}x{w}" for w, n in sorted(widths.items(), key=lambda item: int(item[0]))) or "-"
 
 
 def main() -> None:
@@ -169,9 +181,9 @@ def main() -> None:
     p.add_argument("--arch", type=int, default=90, help="compute capability: 90 for a Hopper")
     args = p.parse_args()
     print(f"Triton {triton.__version__}, sm_{args.arch}; loops of at least 20 instructions, each: instructions "
-          f"(most frequent opcodes)")
-    print("| kernel | warps / stages | registers | stack bytes | shared KB | instructions | loops |")
-    print("|---|---|---|---|---|---|---|")
+          f"(most frequent opcodes); global loads: count x bits a thread")
+    print("| kernel | warps / stages | registers | stack bytes | shared KB | instructions | loops | global loads |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.kernels.split(","):
         print(describe(name, kernels[name], args.arch), flush=True)
 

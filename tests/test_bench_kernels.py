@@ -49,6 +49,8 @@ def test_kernel_sass_reads_every_kernel_kiln_builds():
         registers = int(row.split("|")[3])
         assert 0 < registers <= 255, row
     assert "QGMMA" in rows["fp8-gemm"] and "LDGSTS" in rows["fp8-gemm"], rows["fp8-gemm"]
+    for name in ("quantize-glu", "quantize-glu-rows", "norm-quantize-add"):  # rows read 16 bytes a load
+        assert re.search(r"\| \d+x128 \|$", rows[name]), rows[name]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")
