@@ -35,13 +35,15 @@ def warm_up_compiled(forward: ModelForward, config: EngineConfig, compile_sizes:
     """The first call at a token count does one-off work (kernel loads, launch setup, Inductor's pick among a
     kernel's configs): pay it here for the smallest and the largest step and every compile size, whose code is its
     own, not in a request's step (BENCHMARKS.md, startup and throughput); on a GPU also at the largest step of each
-    of ROW_BLOCKS, which a step launched from Python (no CUDA graph) would otherwise build after ready."""
+    of ROW_BLOCKS, which a step launched from Python (no CUDA graph) would otherwise build after ready. The largest
+    step goes first: the symbolic piece's kernels pick their config once, timed at their first call, and it is the
+    long steps whose kernels move enough bytes for the pick to matter."""
     tokens = config.max_num_batched_tokens
     sizes = {min(2, tokens), tokens, *(s for s in compile_sizes if s <= tokens)}
     if config.device != "cpu":
         sizes |= {s for s in ROW_BLOCKS if s <= tokens}
     with expect_no_compile("warming up the compiled function"):
-        for size in sorted(sizes):
+        for size in sorted(sizes, reverse=True):
             forward.compiled_forward(torch.zeros(size, dtype=torch.int64, device=config.device),
                                      torch.arange(size, device=config.device))
         forward.compiled.skip_guard_checks()  # every layer's weights passed torch's guards just now
