@@ -68,9 +68,11 @@ def test_the_kernel_quantizes_silu_times_up_from_the_merged_product(m, width):
     assert_same_quantize(quantize_rows_fp8(gate, up), quantize_tokens(silu_mul(gate, up)), exact_share=0.9)
 
 
+@pytest.mark.parametrize("per_sm", [1, 2])
 @pytest.mark.parametrize("glu", [False, True], ids=["activation", "silu-times-up"])
-def test_a_program_an_sm_quantizes_each_row_as_a_program_a_row_does(glu):
-    """The kernel that loops over rows (past as many rows as SMs) and the one a row give the same bytes."""
+def test_a_program_an_sm_quantizes_each_row_as_a_program_a_row_does(glu, per_sm):
+    """The kernel that loops over rows (past as many rows as SMs), one or two programs an SM, and the one a row give
+    the same bytes."""
     from kiln.quantization.quantize_kernel import _config, quantize_rows_fp8
 
     width = 14336 if torch.cuda.is_available() else 1000
@@ -79,8 +81,8 @@ def test_a_program_an_sm_quantizes_each_row_as_a_program_a_row_does(glu):
     x, up = merged[:, :width], (merged[:, width:] if glu else None)
     block, one_pass, warps, _ = _config(1, width, 1)
     assert one_pass
-    looped = quantize_rows_fp8(x, up, config=(block, True, warps, True))
-    each = quantize_rows_fp8(x, up, config=(block, True, warps, False))
+    looped = quantize_rows_fp8(x, up, config=(block, True, warps, per_sm))
+    each = quantize_rows_fp8(x, up, config=(block, True, warps, 0))
     assert torch.equal(looped[0].view(torch.uint8), each[0].view(torch.uint8))
     assert torch.equal(looped[1], each[1])
 

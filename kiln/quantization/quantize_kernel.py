@@ -29,7 +29,7 @@ FP8_MAX = tl.constexpr(448.0)
 ONE_PASS_MAX = 16384  # widest row held in registers (Llama-3-8B's 14,336 MLP width)
 LOOP_BLOCK = 4096  # elements per step of a row too wide for one pass
 FEW_ROWS = 32  # up to this many rows a program reads its row in one pass where it fits
-MANY_ROWS_CONFIG = (2048, False, 4, False)  # past FEW_ROWS, a row of at most ONE_PASS_MAX / 2 (_config's fields)
+MANY_ROWS_CONFIG = (2048, False, 4, 0)  # past FEW_ROWS, a row of at most ONE_PASS_MAX / 2 (_config's fields)
 
 
 @triton.jit
@@ -86,37 +86,37 @@ def _quantize_rows_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, m, width, stride_x, s
                   min_scale, GLU, BLOCK)
 
 
-def _config(m: int, width: int, sms: int) -> tuple[int, bool, int, bool]:
-    """(BLOCK, ONE_PASS, num_warps, AN_SM) for ``m`` rows of ``width`` on ``sms`` SMs; AN_SM: one pass by a program
-    an SM looping over the rows (``_quantize_rows_kernel``), else a program a row. One pass by as many warps as the
-    load can use where the row fits (in CUDA graphs, SiLU x up of 14,336 at 1 row: 4.4 µs with 32 warps against 5.1
-    with 16 on the H200, and Inductor's 4.9; a 4,096 row 1.7 µs with 8 warps), a program an SM past ``sms`` rows (a
-    prefill's kernel, built by the memory profile's and the graphs' steps before ready), except a narrow row past
-    FEW_ROWS: MANY_ROWS_CONFIG."""
+def _config(m: int, width: int, sms: int) -> tuple[int, bool, int, int]:
+    """(BLOCK, ONE_PASS, num_warps, PER_SM) for ``m`` rows of ``width`` on ``sms`` SMs; PER_SM > 0: one pass by that
+    many programs an SM looping over the rows (``_quantize_rows_kernel``), 0: a program a row. One pass by as many
+    warps as the load can use where the row fits (in CUDA graphs, SiLU x up of 14,336 at 1 row: 4.4 µs with 32 warps
+    against 5.1 with 16 on the H200, and Inductor's 4.9; a 4,096 row 1.7 µs with 8 warps), a program an SM past
+    ``sms`` rows (a prefill's kernel, built by the memory profile's and the graphs' steps before ready), except a
+    narrow row past FEW_ROWS: MANY_ROWS_CONFIG."""
     block = triton.next_power_of_2(width)
     if m > FEW_ROWS and block <= ONE_PASS_MAX // 2:
         return MANY_ROWS_CONFIG
     if block > ONE_PASS_MAX:
-        return LOOP_BLOCK, False, 8, False
-    return block, True, max(4, min(32, block // 512)), m > sms
+        return LOOP_BLOCK, False, 8, 0
+    return block, True, max(4, min(32, block // 512)), int(m > sms)
 
 
 def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None,
-                      config: tuple[int, bool, int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      config: tuple[int, bool, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] (with ``up`` [M, K]: SiLU(x) × up), rows contiguous -> (float8 [M, K], float32 scale [M, 1]).
-    ``config`` (BLOCK, ONE_PASS, num_warps, AN_SM) is for a sweep; None: this module's choice."""
+    ``config`` (BLOCK, ONE_PASS, num_warps, PER_SM) is for a sweep; None: this module's choice."""
     m, width = x.shape
     q = torch.empty(m, width, dtype=FP8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
     sms = sm_count(x.device)
-    block, one_pass, num_warps, an_sm = config or _config(m, width, sms)
+    block, one_pass, num_warps, per_sm = config or _config(m, width, sms)
     other = x if up is None else up
     strides = (x.stride(0), other.stride(0), q.stride(0))
-    if one_pass and an_sm:
-        _quantize_rows_kernel[(min(m, sms),)](x, other, q, scale, m, width, *strides, MIN_SCALE, GLU=up is not None,
-                                              BLOCK=block, num_warps=num_warps)
+    if one_pass and per_sm:
+        _quantize_rows_kernel[(min(m, per_sm * sms),)](x, other, q, scale, m, width, *strides, MIN_SCALE,
+                                                       GLU=up is not None, BLOCK=block, num_warps=num_warps)
     else:
         _quantize_kernel[(m,)](x, other, q, scale, width, *strides, MIN_SCALE, GLU=up is not None, BLOCK=block,
                                ONE_PASS=one_pass, num_warps=num_warps)
