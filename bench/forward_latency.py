@@ -29,7 +29,7 @@ from kiln.attention.forward_context import AttentionMetadata, ForwardContext, fo
 from kiln.compilation.counters import expect_no_compile
 from kiln.model.causal_lm import build_model, weights_bytes
 from kiln.model.spec import ResolvedModel, resolve
-from kiln.store.bundle import load_compiled
+from kiln.store.bundle import KEY_FACTORS, load_compiled
 from kiln.store.signing import TrustedKeys, local_keys_dir
 from protos import common_pb2
 
@@ -101,8 +101,8 @@ class DecodeSetup:
 
 def load_for_decode(args: argparse.Namespace, sizes: list[int]) -> DecodeSetup:
     """The preset's model (dummy weights), a paged KV cache of random values for ``args.context`` tokens of the
-    largest batch (FP8 with --kv-cache-dtype fp8_e4m3, scales 1.0), and the bundle's compiled code, loaded as the
-    execute service loads it (signature checked, no compile)."""
+    largest batch (FP8 with --kv-cache-dtype fp8_e4m3, scales 1.0), and the bundle's compiled code, loaded and first
+    called as the execute service loads and warms it up (signature checked, no compile, the largest step first)."""
     torch.set_grad_enabled(False)
     resolved = resolve(common_pb2.ModelSpec(preset=args.preset, dtype="bfloat16"), "cuda")
     model = build_model(resolved, "cuda", quantization=args.quantization, quantize_head=args.quantize_head)
@@ -115,6 +115,11 @@ def load_for_decode(args: argparse.Namespace, sizes: list[int]) -> DecodeSetup:
     with expect_no_compile("loading the bundle"):
         compiled = load_compiled(args.bundle, args.bundle.name, TrustedKeys.load(
             args.trusted_keys or local_keys_dir(args.bundle.parent)))
+    # The first call at the bundle's largest step, as the execute service's warm-up makes it: Inductor's kernels
+    # pick their config at their first call. No forward context: the op's own causal attention, no cache.
+    tokens = json.loads((args.bundle / KEY_FACTORS).read_text())["compile_config"]["max_compiled_tokens"]
+    with expect_no_compile("warming up"):
+        compiled(model, torch.zeros(tokens, dtype=torch.int64, device="cuda"), torch.arange(tokens, device="cuda"))
     return DecodeSetup(resolved, model, spec, caches, kv_cache.allocate_scales(spec, 1.0, "cuda"), compiled,
                        max_blocks)
 
