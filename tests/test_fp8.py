@@ -21,6 +21,7 @@ from fp8_reference import (
     transformers_fp8_checkpoint,
 )
 from test_exec_service import prompt_of
+from test_model_families import FAMILY_CONFIGS, TINY
 
 from kiln.compilation.config import CompileConfig
 from kiln.errors import InvalidArgument
@@ -378,6 +379,40 @@ def test_the_norms_before_fp8_products_are_routed_with_their_quantize():
     assert seen["left"] == 2 and seen["norm steps"] == 0  # o's and down's quantizes; no norm left unrouted
     assert sorted(seen["sum readers"], key=str).count(operator.getitem) == 3  # q, scale and the sum
     torch.testing.assert_close(routed, unrouted, rtol=0, atol=0)
+
+
+# Families whose norms before q/k/v and gate/up are Llama's RMSNorm: the pass routes both; the others' (Gemma's
+# 1 + weight, Helium's float32 product, LayerNorms, OLMo's and EXAONE's norms after the sublayers) stay Inductor's.
+LLAMA_NORM_FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "ministral", "smollm3", "glm4"}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_the_norm_pass_routes_llamas_rms_norm_in_every_family_and_nothing_else(model_type):
+    """Each family's FP8 layers traced by Dynamo, the pass asked to route on the CPU, against the eager layer: the
+    same output bit for bit (the ops' CPU code is Llama's norm in torch ops, so a norm of another form routed would
+    change it), and both norms routed exactly in the families whose norms are Llama's."""
+    from compile_service.pipeline import _layer_examples
+    from kiln.model.merged_projections import merge_identical_linears
+    from kiln.quantization.norm_quantize import route_norm_quantize
+
+    config = TINY | FAMILY_CONFIGS[model_type]
+    resolved = resolve(common_pb2.ModelSpec(config_json=json.dumps(config)), "cpu")
+    module = build_model(resolved, "cpu", quantization="fp8")
+    routed = []
+
+    def backend(gm, example_inputs):
+        merge_identical_linears(gm)
+        routed.append(route_norm_quantize(gm, devices=("cpu",)))
+        return gm.forward
+
+    for step, inputs in _layer_examples(module, resolved, CompileConfig(max_compiled_tokens=64)):
+        routed.clear()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            eager = step(*inputs)
+            traced = torch.compile(step, backend=backend, fullgraph=True)(*inputs)
+        assert routed == [2 if model_type in LLAMA_NORM_FAMILIES else 0]
+        assert torch.equal(traced, eager)
 
 
 def test_the_layers_last_residual_add_is_taken_into_its_fp8_product():
