@@ -39,13 +39,16 @@ ProgressFn = Callable[[str, int, int, str, str], None]
 # thread that had just compiled Llama-3-8B crashed the compile service about one compile in three on the H200
 # (SIGSEGV in the event loop's thread, in whatever Python ran next; issue 23); the executor's thread never exits.
 _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
-# Example token count Dynamo traces with (the dimension is marked dynamic), at most the compile's largest step.
-# Inductor sizes the blocks of a symbolic piece's kernels for it. Traced at 16 tokens, RoPE's kernel over q had
-# the configs 512 and 256 elements a program of 4 warps (4 and 2 bf16 values a thread: 64- and 32-bit loads), k's
-# 256 and 128 (2 and 1), and they took 21.4 and 11.4 µs of a 2,048-token FP8 layer on an H100 (1.6 and 0.7 TB/s;
-# BENCHMARKS.md); traced at 2,048, both have 1,024 a program of 4 warps (8 a thread, 128-bit loads) among theirs.
-# The eager forward that records the example runs the reference attention (a score matrix per head): hence the bound.
+# Example token count Dynamo traces with on CUDA (the dimension is marked dynamic), at most the compile's largest
+# step. Inductor sizes the blocks of a symbolic piece's Triton kernels for it. Traced at 16 tokens, RoPE's kernel
+# over q had the configs 512 and 256 elements a program of 4 warps (4 and 2 bf16 values a thread: 64- and 32-bit
+# loads), k's 256 and 128 (2 and 1), and they took 21.4 and 11.4 µs of a 2,048-token FP8 layer on an H100 (1.6 and
+# 0.7 TB/s; BENCHMARKS.md); traced at 2,048, both have 1,024 a program of 4 warps (8 a thread, 128-bit loads) among
+# theirs. The eager forward that records the example runs the reference attention (a score matrix per head): hence
+# the bound. The CPU's C++ kernels take no block size from it, and a CPU compile traced at 16 tokens is faster (CI: 13%
+# off its compile tests).
 TRACE_TOKENS = 2048
+CPU_TRACE_TOKENS = 16
 
 
 @dataclass
@@ -184,7 +187,7 @@ def _compile_into(staged, key, factors, model: ResolvedModel, config: CompileCon
 def _layer_examples(module: TokenModel, model: ResolvedModel, config: CompileConfig) -> list[tuple]:
     """The first layer of each kind with the inputs it receives in an eager forward, the token dimension of each
     marked dynamic over [1, max tokens]."""
-    tokens = min(TRACE_TOKENS, config.max_compiled_tokens)
+    tokens = min(CPU_TRACE_TOKENS if config.device == "cpu" else TRACE_TOKENS, config.max_compiled_tokens)
     ids = torch.randint(0, model.config.vocab_size, (tokens,), device=config.device)
     seen: dict[int, tuple] = {}
 
