@@ -2,6 +2,8 @@
 seen as rows of a width (a view the passes insert, its example set, so that later passes and Inductor see its
 shape), and the views and dead chains they look through or erase."""
 
+import operator
+
 import torch
 
 
@@ -23,6 +25,8 @@ def as_rows(graph: torch.fx.Graph, node: torch.fx.Node, width: int) -> torch.fx.
 
 
 VIEWS = ("reshape", "view", "contiguous", "unsqueeze", "squeeze", "flatten")
+ADDS = (operator.add, torch.add)  # how a traced graph spells a + b
+MULS = (operator.mul, torch.mul)
 
 
 def through_views(node: torch.fx.Node) -> torch.fx.Node:

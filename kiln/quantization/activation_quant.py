@@ -15,7 +15,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from kiln.compilation.fx_values import as_rows, erase_unused, example_value, through_views
+from kiln.compilation.fx_values import MULS, as_rows, erase_unused, example_value, through_views
 from kiln.dispatcher_op import dispatcher_op
 
 FP8 = torch.float8_e4m3fn
@@ -109,7 +109,7 @@ def _same_rows(operands: tuple[torch.fx.Node, torch.fx.Node], rows: torch.fx.Nod
 
 def _silu_mul_operands(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(gate, up) where ``node`` is ``silu(gate) * up`` (either order) and nothing else reads the SiLU."""
-    if node.op != "call_function" or node.target not in (operator.mul, torch.mul) or len(node.users) != 1:
+    if node.op != "call_function" or node.target not in MULS or len(node.users) != 1:
         return None
     for silu, up in (node.args, reversed(node.args)):
         if isinstance(silu, torch.fx.Node) and silu.op == "call_function" and silu.target is F.silu \

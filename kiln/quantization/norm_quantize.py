@@ -15,13 +15,11 @@ import operator
 
 import torch
 
-from kiln.compilation.fx_values import erase_unused, example_value, through_views
+from kiln.compilation.fx_values import ADDS, MULS, erase_unused, example_value, through_views
 from kiln.dispatcher_op import dispatcher_op
 from kiln.quantization.activation_quant import FP8, QUANTIZE_TOKENS, quantize_tokens
 
 MAX_WIDTH = 16384  # widest row the kernel's program holds in registers (Llama-3.1-70B's 8,192 hidden size fits)
-_MULS = (operator.mul, torch.mul)
-_ADDS = (operator.add, torch.add)
 
 
 def rms_norm_quantize_tokens(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +72,6 @@ def route_norm_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("c
     """Give each per-token quantize of ``gm`` (a Dynamo graph) on ``devices`` whose input is a Llama-style RMSNorm
     (of a residual add, where the add is of two tensors alike) the norm-and-quantize op; returns how many. The norm's
     steps go with it; the add's other readers read the op's sum."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
     routed = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in QUANTIZE_TOKENS:
@@ -84,7 +81,7 @@ def route_norm_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("c
             continue
         x, weight, eps, chain = norm
         added = _residual_add(x)
-        if added is not None and any(order[user] < order[node] for user in x.users if user not in chain):
+        if added is not None and _read_before(x, node, chain):
             continue  # the sum read before the norm's quantize: it cannot come from the op
         with gm.graph.inserting_before(node):
             if added is None:
@@ -108,6 +105,18 @@ def route_norm_quantize(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("c
     return routed
 
 
+def _read_before(x: torch.fx.Node, node: torch.fx.Node, chain: set) -> bool:
+    """Whether a reader of ``x`` outside ``chain`` comes before ``node`` in the graph (as it stands now, with the ops
+    earlier matches inserted)."""
+    readers = set(x.users) - chain
+    for current in x.graph.nodes:
+        if current is node:
+            return False
+        if current in readers:
+            return True
+    return False
+
+
 def _call(node, op: str, targets) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == op and node.target in targets
 
@@ -121,7 +130,7 @@ def _other(node: torch.fx.Node, one) -> object | None:
 def _rms_norm(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, float, set] | None:
     """(x, weight, eps, the norm's nodes) where ``node`` is ``weight * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) +
     eps)).to(x.dtype)`` with ``h = x.to(float32)`` and nothing else reads a step of it; else None."""
-    if not _call(node, "call_function", _MULS) or len(node.args) != 2 or len(node.users) != 1:
+    if not _call(node, "call_function", MULS) or len(node.args) != 2 or len(node.users) != 1:
         return None
     for weight, cast in (node.args, tuple(reversed(node.args))):
         if _call(cast, "call_method", ("to",)) and len(cast.users) == 1 and len(cast.args) == 2 \
@@ -130,14 +139,14 @@ def _rms_norm(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, float,
     else:
         return None
     normed = cast.args[0]
-    if not _call(normed, "call_function", _MULS) or len(normed.args) != 2 or len(normed.users) != 1:
+    if not _call(normed, "call_function", MULS) or len(normed.args) != 2 or len(normed.users) != 1:
         return None
     rsqrt = next((a for a in normed.args if _call(a, "call_function", (torch.rsqrt,))), None)
     h = _other(normed, rsqrt) if rsqrt is not None else None
     if h is None or len(rsqrt.users) != 1 or not _call(h, "call_method", ("to",)) or h.args[1:] != (torch.float32,):
         return None
     shifted = rsqrt.args[0]
-    if not _call(shifted, "call_function", _ADDS) or len(shifted.users) != 1 or len(shifted.args) != 2:
+    if not _call(shifted, "call_function", ADDS) or len(shifted.users) != 1 or len(shifted.args) != 2:
         return None
     variance, eps = shifted.args
     if not isinstance(eps, float) or not _call(variance, "call_method", ("mean",)) or len(variance.users) != 1 \
@@ -167,7 +176,7 @@ def _fits(norm: tuple, rows: torch.fx.Node, devices: tuple[str, ...]) -> bool:
 
 def _residual_add(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(a, b) where ``x`` is ``a + b`` of two tensors of x's shape and dtype; else None."""
-    if not _call(x, "call_function", _ADDS) or len(x.args) != 2 or x.kwargs:
+    if not _call(x, "call_function", ADDS) or len(x.args) != 2 or x.kwargs:
         return None
     values = [example_value(a) for a in x.args]
     total = example_value(x)

@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 
 from kiln.quantization.activation_quant import FP8, MIN_SCALE
-
-FP8_MAX = tl.constexpr(448.0)
+from kiln.quantization.quantize_kernel import FP8_MAX
 
 
 @triton.jit

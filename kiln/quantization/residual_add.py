@@ -10,14 +10,12 @@ Inductor already fuses it into that norm's kernel. The product must reach the ad
 all-reduce of a tensor-parallel shard, no cast), so the fused op computes what the graph did, rounded once.
 """
 
-import operator
 
 import torch
 
-from kiln.compilation.fx_values import as_rows, example_value
+from kiln.compilation.fx_values import ADDS, as_rows, example_value
 from kiln.quantization.fp8_mm import fp8_mm
 
-_ADDS = (operator.add, torch.add)
 _VIEWS = ("reshape", "view")
 
 
@@ -27,7 +25,7 @@ def fuse_residual_add(gm: torch.fx.GraphModule, devices: tuple[str, ...] = ("cud
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     fused = 0
     for add in list(gm.graph.nodes):
-        if add.op != "call_function" or add.target not in _ADDS or len(add.args) != 2 or add.kwargs \
+        if add.op != "call_function" or add.target not in ADDS or len(add.args) != 2 or add.kwargs \
                 or [user.op for user in add.users] != ["output"]:
             continue
         for side, residual in (add.args, tuple(reversed(add.args))):
