@@ -80,11 +80,10 @@ def _attention_kernels() -> dict:
 
 
 def _quantization_kernels() -> dict:
-    """Kiln's FP8 GEMM at one token (Llama-3-8B's o: K 4,096), the SiLU x up quantize of a 14,336-wide row, a
-    program a row and (2,048 rows on 132 SMs) a program an SM, and the residual add, RMSNorm and quantize of a
-    4,096-wide row."""
+    """Kiln's FP8 GEMM at one token (Llama-3-8B's o: K 4,096), the SiLU x up quantize of a 14,336-wide row, and the
+    residual add, RMSNorm and quantize of a 4,096-wide row."""
     block_k = fp8_small_m._block_k(4096)
-    block, one_pass, warps, _ = quantize_kernel._config(2048, 14336, 132)
+    block, one_pass, warps = quantize_kernel._config(2048, 14336)
     return {
         "fp8-gemm": Build(
             fp8_small_m._swap_ab_kernel,
@@ -96,11 +95,6 @@ def _quantization_kernels() -> dict:
             quantize_kernel._quantize_kernel,
             dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
             dict(GLU=True, BLOCK=block, ONE_PASS=one_pass),
-            (), warps, 3),
-        "quantize-glu-rows": Build(
-            quantize_kernel._quantize_rows_kernel,
-            dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
-            dict(GLU=True, BLOCK=block),
             (), warps, 3),
         "norm-quantize-add": Build(
             norm_quantize_kernel._rms_norm_quantize_kernel,

@@ -20,38 +20,35 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from kiln.multiprocessors import sm_count
 from kiln.quantization.activation_quant import FP8, quantize_tokens
 from kiln.quantization.quantize_kernel import _config, quantize_rows_fp8
 
 CASES = (("silu x up", 14336, True), ("attention out", 4096, False))
 HIDDEN = 4096  # the gate/up GEMM's K with --after-gemm (Llama-3-8B's hidden size)
-CONFIGS = ("16384:1:16,16384:1:32,16384:1:32:1,16384:1:32:2,4096:0:8,4096:0:4,2048:0:4,2048:0:8,1024:0:4,1024:0:2,"
-           "512:0:2")
+CONFIGS = "16384:1:16,16384:1:32,4096:0:8,4096:0:4,2048:0:4,2048:0:8,1024:0:4,1024:0:2,512:0:2"
 
 
-def parse_config(text: str) -> tuple[int, bool, int, int]:
-    """block:one_pass:warps[:per_sm] (per_sm 1, 2, ...: one pass by that many programs an SM looping over the rows)."""
-    block, one_pass, warps, *per_sm = text.split(":")
-    return int(block), one_pass == "1", int(warps), int(per_sm[0]) if per_sm else 0
+def parse_config(text: str) -> tuple[int, bool, int]:
+    """block:one_pass:warps."""
+    block, one_pass, warps = text.split(":")
+    return int(block), one_pass == "1", int(warps)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,32,512,2048")
-    p.add_argument("--configs", default=CONFIGS, help="block:one_pass:warps[:per_sm], comma-separated")
+    p.add_argument("--configs", default=CONFIGS, help="block:one_pass:warps, comma-separated")
     p.add_argument("--after-gemm", action="store_true", help="each replay writes the input first, as a layer does")
     args = p.parse_args()
     configs = [parse_config(c) for c in args.configs.split(",")]
     after = ", after the kernel that writes the input (the pair less the writer)" if args.after_gemm else ""
     print(f"{torch.cuda.get_device_name()}, µs (TB/s), each replayed from a CUDA graph{after}")
-    print("| case | rows | Inductor | " + " | ".join(f"({b}, {int(o)}, {w}{f', {a} an SM' if a else ''})"
-                                                 for b, o, w, a in configs) + " | pick |")
+    print("| case | rows | Inductor | " + " | ".join(f"({b}, {int(o)}, {w})" for b, o, w in configs) + " | pick |")
     print("|---" * (len(configs) + 4) + "|")
     for name, width, glu in CASES:
         for m in (int(r) for r in args.rows.split(",")):
             cells = row_cells(m, width, glu, configs, args.after_gemm)
-            pick = _config(m, width, sm_count(torch.device("cuda")))
+            pick = _config(m, width)
             print(f"| {name} | {m} | " + " | ".join(cells) + f" | {pick} |", flush=True)
 
 
@@ -71,7 +68,7 @@ def input_writer(m: int, width: int, glu: bool):
     return out, lambda: out.copy_(source)
 
 
-def row_cells(m: int, width: int, glu: bool, configs: list[tuple[int, bool, int, int]], after_gemm: bool) -> list[str]:
+def row_cells(m: int, width: int, glu: bool, configs: list[tuple[int, bool, int]], after_gemm: bool) -> list[str]:
     """Inductor's fusion, then Kiln's kernel at each config, on ``m`` rows of ``width``."""
     torch.manual_seed(m)
     if after_gemm:

@@ -44,13 +44,15 @@ def test_kernel_sass_reads_every_kernel_kiln_builds():
     out = _run("bench/kernel_sass.py", interpret=False)
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([\w-]+) \| \d+ / \d+ \| (\d+) \|.*$", out, re.M)}
     assert set(rows) == {"decode", "decode-fp8", "decode-fp8-one-split", "prefill", "prefill-fp8", "fp8-gemm",
-                         "quantize-glu", "quantize-glu-rows", "norm-quantize-add"}, out
+                         "quantize-glu", "norm-quantize-add"}, out
     for row in rows.values():
         registers = int(row.split("|")[3])
         assert 0 < registers <= 255, row
     assert "QGMMA" in rows["fp8-gemm"] and "LDGSTS" in rows["fp8-gemm"], rows["fp8-gemm"]
-    for name in ("quantize-glu", "quantize-glu-rows", "norm-quantize-add"):  # rows read 16 bytes a load
+    for name in ("quantize-glu", "norm-quantize-add"):  # rows read 16 bytes a load
         assert re.search(r"\| \d+x128 \|$", rows[name]), rows[name]
+    # two of SiLU x up's 1,024-thread programs share an SM's 65,536 registers (quantize_kernel's docstring)
+    assert int(rows["quantize-glu"].split("|")[3]) <= 32, rows["quantize-glu"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays CUDA graphs")

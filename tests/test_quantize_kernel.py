@@ -18,8 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 # interpreter, one not a power of two, one past the one-pass limit.
 WIDTHS = (4096, 14336, 28672) if torch.cuda.is_available() else (96, 1000, 20000)
 SUBNORMAL_STEP = 2.0 ** -9  # float8_e4m3fn's spacing below its smallest normal value
-# Row counts: one, a few, and (on a GPU) past the SMs' count, where a program an SM loops over the rows (the
-# interpreter counts one SM, so there every count past one does).
+# Row counts: one, a few, and (on a GPU) past the SMs' count.
 ROWS = (1, 7, 64, 300) if torch.cuda.is_available() else (1, 7, 64)
 
 
@@ -66,25 +65,6 @@ def test_the_kernel_quantizes_silu_times_up_from_the_merged_product(m, width):
     merged = torch.randn(m, 2 * width, device=DEVICE, dtype=torch.bfloat16) * 3
     gate, up = merged[:, :width], merged[:, width:]
     assert_same_quantize(quantize_rows_fp8(gate, up), quantize_tokens(silu_mul(gate, up)), exact_share=0.9)
-
-
-@pytest.mark.parametrize("per_sm", [1, 2])
-@pytest.mark.parametrize("glu", [False, True], ids=["activation", "silu-times-up"])
-def test_a_program_an_sm_quantizes_each_row_as_a_program_a_row_does(glu, per_sm):
-    """The kernel that loops over rows (past as many rows as SMs), one or two programs an SM, and the one a row give
-    the same bytes."""
-    from kiln.quantization.quantize_kernel import _config, quantize_rows_fp8
-
-    width = 14336 if torch.cuda.is_available() else 1000
-    torch.manual_seed(glu)
-    merged = torch.randn(37, 2 * width, device=DEVICE, dtype=torch.bfloat16) * 3
-    x, up = merged[:, :width], (merged[:, width:] if glu else None)
-    block, one_pass, warps, _ = _config(1, width, 1)
-    assert one_pass
-    looped = quantize_rows_fp8(x, up, config=(block, True, warps, per_sm))
-    each = quantize_rows_fp8(x, up, config=(block, True, warps, 0))
-    assert torch.equal(looped[0].view(torch.uint8), each[0].view(torch.uint8))
-    assert torch.equal(looped[1], each[1])
 
 
 def test_no_rows_is_no_launch():
