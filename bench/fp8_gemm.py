@@ -14,7 +14,9 @@ token counts, to find the FP8 product a decode-sized step should use (issue 24: 
   the FP8 tensor-core dot unwidened). ``--graphs`` times it against bf16, ``_scaled_mm`` and the weight-only
   swap-AB, all replayed from CUDA graphs, as a served step runs them: the figures that decide what replaces
   ``_scaled_mm`` for decode-sized steps (cuBLASLt runs every row-wise FP8 GEMM of 1–32 rows with one 128 x 128 tile,
-  BENCHMARKS.md).
+  BENCHMARKS.md);
+- the FP8 swap-AB product with its operands' tiles loaded by the Hopper's TMA (``--streamed``'s last column), where
+  Kiln's kernel has every thread issue asynchronous copies.
 
 With TRITON_INTERPRET=1 and --check, it runs the candidates on the CPU against the dequantized product instead.
 
@@ -121,6 +123,25 @@ def _swap_ab_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_
         tl.store(part_ptr + split * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _tma_swap_ab_kernel(x_desc, x_scale_ptr, w_desc, w_scale_ptr, out_ptr, M, N, K, stride_om,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Kiln's FP8 swap-AB product (kiln.quantization.fp8_small_m, unsplit) with both operands' tiles loaded by the
+    Hopper's TMA from host tensor descriptors instead of every thread's asynchronous copies: one thread issues a
+    tile's load, out-of-bounds tokens arrive as zeros."""
+    off_n = tl.program_id(0) * BLOCK_N
+    off_m = tl.program_id(1) * BLOCK_M
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        acc = tl.dot(w_desc.load([off_n, k]), x_desc.load([off_m, k]).T, acc)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    rm = off_m + tl.arange(0, BLOCK_M)
+    acc *= tl.load(x_scale_ptr + rm, mask=rm < M, other=0.0)[None, :]
+    acc *= tl.load(w_scale_ptr + rn, mask=rn < N, other=0.0)[:, None]
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(tl.bfloat16), mask=mask)
+
+
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -161,6 +182,8 @@ FP8_DOT_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 4), (128, 128, 1, 4, 4), 
 STREAMED_CONFIGS = tuple((block_n, block_k, splits, 4, stages) for block_n in (64, 32) for block_k in (128, 256, 512)
                          for splits in (1, 2, 4, 8) for stages in (3, 4, 6)
                          if block_k * stages <= 1536 and (block_n == 64 or splits <= 2))
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the TMA-loaded swap-AB kernel, around Kiln's unsplit pick (64, 256, 4, 6)
+TMA_CONFIGS = ((64, 256, 4, 6), (64, 256, 4, 8), (64, 128, 4, 8), (64, 512, 4, 3), (128, 256, 4, 4), (32, 256, 4, 8))
 GEMV_CONFIGS = ((16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 1024, 1, 4, 2), (16, 512, 4, 4, 3), (32, 256, 4, 4, 3),
                 (16, 256, 8, 4, 4), (64, 128, 1, 4, 4), (32, 512, 2, 8, 3))
 
@@ -192,6 +215,24 @@ def fp8_swap_ab(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, s
     """The FP8 activation ``xq`` [M, K] with token scales [M, 1] times the float8 ``weight`` [N, K] with row scales
     [N] -> bf16 [M, N]: Kiln's swap-AB kernel with both operands FP8 at ``config`` (None: the one it picks)."""
     return small_m_mm(xq, x_scale.reshape(-1).contiguous(), weight, scale, config=config)
+
+
+def tma_swap_ab(xq: torch.Tensor, token_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                config: tuple) -> torch.Tensor:
+    """``fp8_swap_ab`` (token scales [M]) with TMA loads, at ``config`` (BLOCK_N, BLOCK_K, num_warps, num_stages);
+    K a multiple of BLOCK_K."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_n, block_k, num_warps, num_stages = config
+    m, k = xq.shape
+    n = weight.shape[0]
+    block_m = max(16, triton.next_power_of_2(m))
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
+    _tma_swap_ab_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        TensorDescriptor.from_tensor(xq, [block_m, block_k]), token_scale,
+        TensorDescriptor.from_tensor(weight, [block_n, block_k]), scale, out, m, n, k, out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, num_warps=num_warps)
+    return out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: tuple) -> torch.Tensor:
@@ -301,9 +342,13 @@ def streamed_row(m: int, name: str, n: int, k: int, l2: int) -> str:
         configs += [(*c, M_TILE) for c in configs]
     best, config = best_of(lambda c: lambda i: small_m_mm(xq, token_scale, *weights[i], config=c),
                            [c for c in configs if k % (c[1] * c[2]) == 0], lambda make: streamed_us(make(), copies))
+    tma, tma_config = best_of(lambda c: lambda i: tma_swap_ab(xq, token_scale, *weights[i], c),
+                              [c for c in TMA_CONFIGS if k % c[1] == 0 and m <= SPLIT_M],
+                              lambda make: streamed_us(make(), copies))
     mb = n * k / 1e6
+    tma_cell = "-" if tma_config is None else f"{tma:.1f} ({mb / tma:.2f}), {tma_config}"
     return (f"| {m} | {name} | {mb:.1f} | {copies} | {gemm:.1f} ({mb / gemm:.2f}) | {picked:.1f} ({mb / picked:.2f}) "
-            f"| {best:.1f} ({mb / best:.2f}) | {config} | {picked / best:.2f}x |")
+            f"| {best:.1f} ({mb / best:.2f}) | {config} | {picked / best:.2f}x | {tma_cell} |")
 
 
 def streamed(tokens: list[int], names: list[str]) -> None:
@@ -313,8 +358,8 @@ def streamed(tokens: list[int], names: list[str]) -> None:
     print(f"{torch.cuda.get_device_name()}, L2 {l2 / 1e6:.0f} MB; µs a product, each GEMM over copies of its "
           "weight replayed in turn from one CUDA graph")
     print("| tokens | GEMM | FP8 weight MB | copies | _scaled_mm us (TB/s) | Kiln's pick us (TB/s) "
-          "| best config us (TB/s) | best config | pick / best |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| best config us (TB/s) | best config | pick / best | TMA loads: best us (TB/s), config |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in tokens:
         for name, n, k in GEMMS:
             if name in names:
@@ -342,13 +387,18 @@ def check() -> None:
             got = fp8_swap_ab(xq, x_scale, q, scale, config).float()
             torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, c=config, shape=(m, n, k):
                                        f"fp8_swap_ab {c} at {shape}: {e}")
+        if k % 16 == 0 and (device == "cpu" or torch.cuda.get_device_capability()[0] >= 9):  # TMA: 16-byte rows
+            for config in [c for c in TMA_CONFIGS if k % c[1] == 0]:
+                got = tma_swap_ab(xq, x_scale.reshape(-1).contiguous(), q, scale, config).float()
+                torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, c=config, shape=(m, n, k):
+                                           f"tma_swap_ab {c} at {shape}: {e}")
         if k % 16 == 0 and n % 16 == 0:  # cuBLASLt's FP8 shapes
             for fast in (False, True):
                 got = swapped(xq, x_scale, q, scale, fast).float()
                 torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2, msg=lambda e, shape=(m, n, k):
                                            f"swapped _scaled_mm at {shape}: {e}")
-    print("weight-only candidates (dot, swap-AB, GEMV; split-K too), the FP8-dot swap-AB and the swapped "
-          "_scaled_mm: equal to the dequantized product within bf16 rounding")
+    print("weight-only candidates (dot, swap-AB, GEMV; split-K too), the FP8-dot swap-AB (its loads by TMA too) and "
+          "the swapped _scaled_mm: equal to the dequantized product within bf16 rounding")
 
 
 def main() -> None:
