@@ -184,7 +184,8 @@ STREAMED_CONFIGS = tuple((block_n, block_k, splits, 4, stages) for block_n in (6
                          if block_k * stages <= 1536 and (block_n == 64 or splits <= 2))
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the TMA-loaded swap-AB kernel, around Kiln's unsplit pick (64, 256, 4,
 # 6); a TMA box is at most 256 elements a side
-TMA_CONFIGS = ((64, 256, 4, 6), (64, 256, 4, 8), (64, 128, 4, 8), (64, 128, 4, 12), (128, 256, 4, 4), (32, 256, 4, 8))
+TMA_CONFIGS = ((64, 256, 4, 6), (64, 256, 4, 8), (64, 128, 4, 8), (64, 128, 4, 12), (128, 256, 4, 4), (128, 256, 8, 4),
+               (128, 128, 8, 8), (32, 256, 4, 8))
 GEMV_CONFIGS = ((16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (8, 1024, 1, 4, 2), (16, 512, 4, 4, 3), (32, 256, 4, 4, 3),
                 (16, 256, 8, 4, 4), (64, 128, 1, 4, 4), (32, 512, 2, 8, 3))
 
