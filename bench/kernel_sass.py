@@ -9,7 +9,7 @@ arguments are specialised as Triton's JIT specialises a real launch (16-byte-ali
 counts instructions, it does not run them.
 
 usage: python bench/kernel_sass.py [--kernels decode,decode-fp8,decode-fp8-one-split,prefill,prefill-fp8,fp8-gemm,
-                                             quantize-glu,quantize-glu-rows,norm-quantize-add] [--arch 90]
+                                             quantize-glu,norm-quantize-add] [--arch 90]
 """
 
 import argparse

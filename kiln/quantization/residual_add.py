@@ -10,7 +10,6 @@ Inductor already fuses it into that norm's kernel. The product must reach the ad
 all-reduce of a tensor-parallel shard, no cast), so the fused op computes what the graph did, rounded once.
 """
 
-
 import torch
 
 from kiln.compilation.fx_values import ADDS, as_rows, example_value
