@@ -260,6 +260,10 @@ def test_each_step_says_how_long_the_device_waited_for_the_host_unless_the_engin
 
 STREAMS = 64
 SMALL_KV_BLOCKS = 40  # of 16 tokens: the 64 streams need several times that, so running ones get preempted
+# Two more greedy streams of 500 tokens (32 blocks each): whichever is admitted second starts long before the first
+# ends (the short streams ahead of it drain in far fewer steps), and both cannot finish in 40 blocks, so one of them,
+# never cancelled, is preempted however the streams arrive (in one CI run the 64 alone preempted none that finished).
+LONG_PROMPT, LONG_OUTPUT = 10, 490
 
 
 @dataclass(frozen=True)
@@ -285,6 +289,9 @@ def stream_cases(rng: random.Random) -> list[StreamCase]:
         else:
             fields["ignore_eos"] = True
         cases.append(StreamCase(prompt, fields, rng.randint(0, fields["max_tokens"] - 1) if i % 3 == 0 else None))
+    for _ in range(2):
+        prompt = [rng.randrange(3, 512) for _ in range(LONG_PROMPT)]
+        cases.append(StreamCase(prompt, dict(max_tokens=LONG_OUTPUT, temperature=0.0, ignore_eos=True), None))
     return cases
 
 
@@ -316,8 +323,8 @@ def streams_together_then_alone(stub, model: str, step_records: list) -> tuple[l
     """The stream cases run all at once, then each alone: (cases, together, the model's steps meanwhile, alone)."""
     cases = stream_cases(random.Random(13))
     first_step = len(step_records)
-    start = threading.Barrier(STREAMS)
-    with ThreadPoolExecutor(STREAMS) as pool:
+    start = threading.Barrier(len(cases))
+    with ThreadPoolExecutor(len(cases)) as pool:
         together = list(pool.map(lambda c: run_stream(stub, model, c, start), cases))
     steps = [r for r in step_records[first_step:] if r.model == model]
     alone = [run_stream(stub, model, dataclasses.replace(c, cancel_after=None)) for c in cases]
@@ -325,7 +332,7 @@ def streams_together_then_alone(stub, model: str, step_records: list) -> tuple[l
 
 
 def test_concurrent_streams_equal_each_request_run_alone(exec_stub, step_records):
-    """64 streams at once on a small KV cache (preemption), prefills in chunks beside decodes, a third cancelled:
+    """66 streams at once on a small KV cache (preemption), prefills in chunks beside decodes, a third cancelled:
     every finished stream equals the same request run alone, a cancelled one a prefix of it; no block leaks."""
     model = "tiny-streams"
     ready = load_model(exec_stub, model, kv_cache_bytes=SMALL_KV_BLOCKS * 8192, max_num_batched_tokens=64).pop()
