@@ -178,10 +178,13 @@ FP8_DOT_CONFIGS = ((64, 128, 1, 4, 4), (64, 256, 1, 4, 4), (128, 128, 1, 4, 4), 
                    (64, 128, 2, 4, 4), (64, 256, 2, 4, 4), (64, 128, 4, 4, 5), (64, 256, 4, 4, 4),
                    (128, 128, 4, 4, 4), (128, 256, 4, 8, 3), (64, 128, 8, 4, 4), (64, 256, 8, 4, 3))
 # A wider grid for --streamed: the split, K tile and pipeline depth around Kiln's picks, at 64 weight rows a program
-# (the FP8 wgmma's side), and at 32 (twice the programs without a split, so no reduce kernel)
+# (the FP8 wgmma's side), and at 32 (twice the programs without a split, so no reduce kernel); and unsplit pipelines
+# deeper than Kiln's six 16 KB tiles (a Hopper's shared memory holds 2 KB of K a weight row and token row at 32
+# rows), for the H200, whose o and down (64 programs) need ~1.4x the H100's bytes in flight a program
 STREAMED_CONFIGS = tuple((block_n, block_k, splits, 4, stages) for block_n in (64, 32) for block_k in (128, 256, 512)
                          for splits in (1, 2, 4, 8) for stages in (3, 4, 6)
-                         if block_k * stages <= 1536 and (block_n == 64 or splits <= 2))
+                         if block_k * stages <= 1536 and (block_n == 64 or splits <= 2)) \
+    + ((64, 128, 1, 4, 12), (64, 256, 1, 4, 8), (64, 512, 1, 4, 4))
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the TMA-loaded swap-AB kernel, around Kiln's unsplit pick (64, 256, 4,
 # 6); a TMA box is at most 256 elements a side
 TMA_CONFIGS = ((64, 256, 4, 6), (64, 256, 4, 8), (64, 128, 4, 8), (64, 128, 4, 12), (128, 256, 4, 4), (128, 256, 8, 4),
