@@ -22,7 +22,7 @@ With TRITON_INTERPRET=1 and --check, it runs the candidates on the CPU against t
 
 usage: python bench/fp8_gemm.py [--tokens 1,32,2048]
        python bench/fp8_gemm.py --graphs --tokens 1,4,16,32
-       python bench/fp8_gemm.py --streamed --tokens 1,8,32 [--gemms down,o]
+       python bench/fp8_gemm.py --streamed --tokens 1,8,32 [--gemms down,o,head]
        TRITON_INTERPRET=1 python bench/fp8_gemm.py --check
 """
 
@@ -39,6 +39,7 @@ from kiln.quantization.fp8_small_m import M_TILE, REDUCE_BLOCK, SPLIT_M, reduce_
 
 # (name, out_features, in_features) of Llama-3-8B's merged projections
 GEMMS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
+HEAD = ("head", 128256, 4096)  # the FP8 head (--quantize-head), a step's largest product: --streamed --gemms head
 MAX_WEIGHT_ONLY_TOKENS = 64  # the candidate is for decode-sized steps
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) the candidate is timed at
 CONFIGS = ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4))
@@ -366,7 +367,7 @@ def streamed(tokens: list[int], names: list[str]) -> None:
           "| best config us (TB/s) | best config | pick / best | TMA loads: best us (TB/s), config |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for m in tokens:
-        for name, n, k in GEMMS:
+        for name, n, k in (*GEMMS, HEAD):
             if name in names:
                 print(streamed_row(m, name, n, k, l2), flush=True)
 
@@ -412,7 +413,8 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="check the candidates' values only (CPU: TRITON_INTERPRET=1)")
     p.add_argument("--streamed", action="store_true",
                    help="Kiln's FP8 kernel over a grid of configs, each GEMM streaming its weights from HBM in a graph")
-    p.add_argument("--gemms", default=",".join(name for name, _, _ in GEMMS), help="with --streamed: which GEMMs")
+    p.add_argument("--gemms", default=",".join(name for name, _, _ in GEMMS),
+                   help="with --streamed: which GEMMs (head: the FP8 head too)")
     p.add_argument("--graphs", action="store_true",
                    help="bf16, _scaled_mm, the FP8-dot and the weight-only swap-AB kernels, timed in CUDA graphs")
     args = p.parse_args()
