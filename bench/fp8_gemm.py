@@ -16,13 +16,15 @@ token counts, to find the FP8 product a decode-sized step should use (issue 24: 
   ``_scaled_mm`` for decode-sized steps (cuBLASLt runs every row-wise FP8 GEMM of 1–32 rows with one 128 x 128 tile,
   BENCHMARKS.md);
 - the FP8 swap-AB product with its operands' tiles loaded by the Hopper's TMA (``--streamed``'s last column), where
-  Kiln's kernel has every thread issue asynchronous copies.
+  Kiln's kernel has every thread issue asynchronous copies;
+- Kiln's kernel over weights of 8 to 448 tiles (``--ramp``): its fixed start and what a program streams a second.
 
 With TRITON_INTERPRET=1 and --check, it runs the candidates on the CPU against the dequantized product instead.
 
 usage: python bench/fp8_gemm.py [--tokens 1,32,2048]
        python bench/fp8_gemm.py --graphs --tokens 1,4,16,32
        python bench/fp8_gemm.py --streamed --tokens 1,8,32 [--gemms down,o,head]
+       python bench/fp8_gemm.py --ramp 8,16,32,64,96,132,264,448 --tokens 1
        TRITON_INTERPRET=1 python bench/fp8_gemm.py --check
 """
 
@@ -372,6 +374,30 @@ def streamed(tokens: list[int], names: list[str]) -> None:
                 print(streamed_row(m, name, n, k, l2), flush=True)
 
 
+def ramp(tokens: int, programs: list[int]) -> None:
+    """Kiln's FP8 kernel at its own pick over weights of 64 x P rows (P programs of one 64-row tile; K 4,096 and
+    14,336, Llama-3-8B's), streamed from HBM as ``streamed`` does: where P programs fit the SMs at once, the time of
+    one program's tile stream plus a fixed start (per-SM rate the limit) or the bytes at the HBM's rate (the HBM the
+    limit); the µs, TB/s and GB/s a program tell which, and the fixed start is what a small kernel before could hide."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}, {sms} SMs, L2 {l2 / 1e6:.0f} MB; {tokens} token(s), Kiln's pick, µs a "
+          "product over copies of the weight replayed in turn from one CUDA graph")
+    print("| K | programs (64-row tiles) | weight MB | µs | TB/s | GB/s a program |")
+    print("|---|---|---|---|---|---|")
+    for k in (4096, 14336):
+        xq, x_scale = quantize_tokens(torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16))
+        token_scale = x_scale.reshape(-1).contiguous()
+        for count in programs:
+            n = 64 * count
+            copies = max(2, 1 + 2 * l2 // (n * k))
+            weights = [quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+                       for _ in range(copies)]
+            t = streamed_us(lambda i, w=weights, a=xq, s=token_scale: small_m_mm(a, s, *w[i]), copies)
+            mb = n * k / 1e6
+            print(f"| {k} | {count} | {mb:.1f} | {t:.2f} | {mb / t:.2f} | {64 * k / t / 1e3:.1f} |", flush=True)
+
+
 def check() -> None:
     """The candidates against the dequantized product, on whatever device the interpreter or CUDA gives."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -417,12 +443,17 @@ def main() -> None:
                    help="with --streamed: which GEMMs (head: the FP8 head too)")
     p.add_argument("--graphs", action="store_true",
                    help="bf16, _scaled_mm, the FP8-dot and the weight-only swap-AB kernels, timed in CUDA graphs")
+    p.add_argument("--ramp", default="", help="Kiln's kernel over 64 x P-row weights for these P (e.g. "
+                   "8,16,32,64,96,132,264,448), at the first of --tokens: its fixed start and per-program rate")
     args = p.parse_args()
     if args.check:
         check()
         return
     if args.streamed:
         streamed([int(t) for t in args.tokens.split(",")], args.gemms.split(","))
+        return
+    if args.ramp:
+        ramp(int(args.tokens.split(",")[0]), [int(p) for p in args.ramp.split(",")])
         return
     if args.graphs:
         in_graphs([int(t) for t in args.tokens.split(",")])
