@@ -378,12 +378,13 @@ def ramp(tokens: int, programs: list[int]) -> None:
     """Kiln's FP8 kernel at its own pick over weights of 64 x P rows (P programs of one 64-row tile; K 4,096 and
     14,336, Llama-3-8B's), streamed from HBM as ``streamed`` does: where P programs fit the SMs at once, the time of
     one program's tile stream plus a fixed start (per-SM rate the limit) or the bytes at the HBM's rate (the HBM the
-    limit); the µs, TB/s and GB/s a program tell which, and the fixed start is what a small kernel before could hide."""
+    limit); the µs, TB/s and GB/s an SM in use tell which, and the fixed start is what a small kernel before could
+    hide."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()}, {sms} SMs, L2 {l2 / 1e6:.0f} MB; {tokens} token(s), Kiln's pick, µs a "
           "product over copies of the weight replayed in turn from one CUDA graph")
-    print("| K | programs (64-row tiles) | weight MB | µs | TB/s | GB/s a program |")
+    print("| K | programs (64-row tiles) | weight MB | µs | TB/s | GB/s an SM in use |")
     print("|---|---|---|---|---|---|")
     for k in (4096, 14336):
         xq, x_scale = quantize_tokens(torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16))
@@ -395,7 +396,8 @@ def ramp(tokens: int, programs: list[int]) -> None:
                        for _ in range(copies)]
             t = streamed_us(lambda i, w=weights, a=xq, s=token_scale: small_m_mm(a, s, *w[i]), copies)
             mb = n * k / 1e6
-            print(f"| {k} | {count} | {mb:.1f} | {t:.2f} | {mb / t:.2f} | {64 * k / t / 1e3:.1f} |", flush=True)
+            print(f"| {k} | {count} | {mb:.1f} | {t:.2f} | {mb / t:.2f} | {mb / t / min(count, sms) * 1e3:.1f} |",
+                  flush=True)
 
 
 def check() -> None:
