@@ -259,7 +259,7 @@ def test_each_step_says_how_long_the_device_waited_for_the_host_unless_the_engin
 # Through the real server: many streams at once, each equal to itself run alone.
 
 STREAMS = 64
-SMALL_KV_BLOCKS = 40  # of 16 tokens: the 64 streams need several times that, so running ones get preempted
+SMALL_KV_BLOCKS = 40  # of 16 tokens: the streams need several times that, so running ones get preempted
 # Two more greedy streams of 500 tokens (32 blocks each): whichever is admitted second starts long before the first
 # ends (the short streams ahead of it drain in far fewer steps), and both cannot finish in 40 blocks, so one of them,
 # never cancelled, is preempted however the streams arrive (in one CI run the 64 alone preempted none that finished).

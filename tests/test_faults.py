@@ -137,7 +137,7 @@ def test_flipped_bytes_with_the_mtime_kept_are_caught_on_the_next_serve(compile_
 
 
 # --- the execute service: a compile service that comes back, bad weights ---
-# (64 streams with cancellations and preemption, each equal to itself run alone, no block leaked:
+# (66 streams with cancellations and preemption, each equal to itself run alone, no block leaked:
 # tests/test_engine.py::test_concurrent_streams_equal_each_request_run_alone.)
 
 def test_load_model_waits_for_a_compile_service_that_comes_back(compile_store, tiny_key, tmp_path, signing_dir,

@@ -124,7 +124,7 @@ def test_graph_replay_equals_compiled_without_graphs(gpu_servers):
 
 
 def _streams(stub, gpu_steps, model: str, piecewise_capture_sizes: list[int]) -> tuple[list, set[str]]:
-    """tests/test_engine.py's 64 streams on ``model``: each finished stream equals its request alone, a cancelled one
+    """tests/test_engine.py's 66 streams on ``model``: each finished stream equals its request alone, a cancelled one
     a prefix of it. Returns the requests' tokens alone and the paths the steps took."""
     blocks = 40  # of 16 tokens, 128 KiB each for this model in float32: the streams need several times that
     events = list(stub.LoadModel(exec_pb2.LoadModelRequest(
@@ -146,7 +146,7 @@ def _streams(stub, gpu_steps, model: str, piecewise_capture_sizes: list[int]) ->
 
 
 def test_concurrent_streams_with_cuda_graphs_equal_each_request_run_alone(gpu_servers, gpu_steps):
-    """tests/test_engine.py's 64-stream harness on the GPU (greedy and seeded, cancelled, preempted, prefilled in
+    """tests/test_engine.py's 66-stream harness on the GPU (greedy and seeded, cancelled, preempted, prefilled in
     chunks): CUDA graphs, Triton kernels, pinned step buffers and the overlapped engine; float32, so batch
     composition cannot flip a greedy choice. With mixed graphs on and off, token for token the same."""
     piecewise, paths = _streams(gpu_servers, gpu_steps, "small-streams", [])
