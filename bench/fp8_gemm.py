@@ -335,10 +335,17 @@ def streamed_us(fn, copies: int) -> float:
     return do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=30, return_mode="median") * 1e3 / copies
 
 
+def streamed_weights(n: int, k: int, l2: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of an FP8 weight [n, k] with its row scales, enough that together they pass twice the L2 (at least
+    two): replayed in turn, each product reads its weight from HBM."""
+    return [quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+            for _ in range(max(2, 1 + 2 * l2 // (n * k)))]
+
+
 def streamed_row(m: int, name: str, n: int, k: int, l2: int) -> str:
     """One GEMM's row of the --streamed table."""
-    copies = max(2, 1 + 2 * l2 // (n * k))
-    weights = [quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
+    weights = streamed_weights(n, k, l2)
+    copies = len(weights)
     xq, x_scale = quantize_tokens(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     token_scale = x_scale.reshape(-1).contiguous()
     gemm = streamed_us(lambda i: torch._scaled_mm(xq, weights[i][0].t(), scale_a=x_scale,
@@ -391,9 +398,8 @@ def ramp(tokens: int, programs: list[int]) -> None:
         token_scale = x_scale.reshape(-1).contiguous()
         for count in programs:
             n = 64 * count
-            copies = max(2, 1 + 2 * l2 // (n * k))
-            weights = [quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-                       for _ in range(copies)]
+            weights = streamed_weights(n, k, l2)
+            copies = len(weights)
             t = streamed_us(lambda i, w=weights, a=xq, s=token_scale: small_m_mm(a, s, *w[i]), copies)
             mb = n * k / 1e6
             print(f"| {k} | {count} | {mb:.1f} | {t:.2f} | {mb / t:.2f} | {mb / t / min(count, sms) * 1e3:.1f} |",
