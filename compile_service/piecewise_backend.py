@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.passes.split_module import split_module
 
+from kiln.attention.rotary import route_rotary
 from kiln.compilation.piecewise import CompiledPiece, PiecewiseFunction
 from kiln.model.merged_projections import merge_identical_linears
 from kiln.quantization.activation_quant import route_activation_quantize
@@ -139,12 +140,12 @@ class PiecewiseBackend:
         start = time.perf_counter()
         with spans.phase_span(spans.SPLIT, region=self.region) as span:
             merged, routed = merge_identical_linears(gm), route_activation_quantize(gm) + route_norm_quantize(gm)
-            residual_adds = fuse_residual_add(gm)
+            residual_adds, rotaries = fuse_residual_add(gm), route_rotary(gm)
             split_gm, split_parts = self._split(gm)
             names = [n.target for n in split_gm.graph.nodes if n.op == "call_module" and n.target not in split_parts]
             span.set_attributes({spans.NUM_PIECES: len(names), spans.NUM_SPLITS: len(split_parts),
                                  spans.MERGED_LINEARS: merged, spans.ROUTED_QUANTIZES: routed,
-                                 spans.FUSED_RESIDUAL_ADDS: residual_adds})
+                                 spans.FUSED_RESIDUAL_ADDS: residual_adds, spans.ROUTED_ROTARIES: rotaries})
         self.stats.timings["split"] = time.perf_counter() - start
         self.progress("split", 0, 0, "", self.region)
         pieces: dict[str, CompiledPiece] = {}

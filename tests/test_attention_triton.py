@@ -587,6 +587,46 @@ def test_small_steps_softcap(step, window):
     check(make_case(seq_lens, query_lens, 8, 4, 64, 16, torch.float32, window=window, softcap=1.5))
 
 
+def rotary_tables(num_tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' cos / sin [T, D] (the halves alike) at random positions, in ``dtype``."""
+    angles = torch.rand(num_tokens, 1, device=DEVICE) * 4096 / 10000 ** (torch.arange(0, head_dim, 2, device=DEVICE)
+                                                                         / head_dim)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("step", SMALL_STEPS)
+def test_the_kv_write_rotates_q_and_k_as_the_compiled_rotation_does(step, fp8):
+    """Given the rotary tables, the KV write rotates q and k (kiln.attention.rotary.route_rotary took the rotation out
+    of the graph), padding rows included, head_dim 96 padded to 128: q and k rotated as in float32, rounded once (as
+    Inductor's fused kernel rounds; within a bfloat16 step: Triton's interpreter rounds toward zero, a GPU to nearest
+    and may fuse the product and sum), the cache written and the attention attending exactly as the kernels do with
+    those rotated q and k given."""
+    from kiln.attention import triton_kernels as attention_triton
+    from kiln.attention.rotary import rotate
+
+    seq_lens, query_lens = SMALL_STEPS[step]
+    case = make_case(seq_lens, query_lens, 8, 2, 96, 16, torch.bfloat16, padding_rows=2)
+    if fp8:
+        case = fp8_case(case, torch.rand(2, 2, device=DEVICE) * 0.02 + 0.005)
+    kv_scale, slots = case.layer.get("kv_scale"), case.meta.slot_mapping
+    cos, sin = rotary_tables(case.q.shape[0], 96, torch.bfloat16)
+    caches = [case.kv_cache.clone() for _ in range(4)]
+    rotated = attention_triton.write_kv(case.k, case.v, caches[0], slots, kv_scale, torch.empty_like(case.q),
+                                        (case.q, cos, sin))
+    for got, x in zip(rotated, (case.q, case.k), strict=True):
+        want = rotate(x.float(), cos.float(), sin.float())
+        assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -7 + 1e-6).all()
+    attention_triton.write_kv(rotated[1], case.v, caches[1], slots, kv_scale, torch.empty_like(case.q))
+    assert torch.equal(caches[0].view(torch.uint8), caches[1].view(torch.uint8))
+    out = attention_triton.paged_attention(case.q, case.k, case.v, caches[2], case.meta, case.scale,
+                                           kv_scale=kv_scale, rotary=(cos, sin))
+    ref = attention_triton.paged_attention(*rotated, case.v, caches[3], case.meta, case.scale, kv_scale=kv_scale)
+    assert torch.equal(caches[2].view(torch.uint8), caches[3].view(torch.uint8))
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("step_kv, heavy_first", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("step", SMALL_STEPS)

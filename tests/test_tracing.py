@@ -85,10 +85,11 @@ def test_compile_is_one_trace_from_client_to_inductor(traced_compile_server, otl
     # tiny-llama's layers are one kind: one trace and one split, of the layer that serves both.
     assert named[spans.TRACE].attributes == {spans.REGION: "layer0"}
     # q/k/v's three products made one and gate/up's two (three calls gone); no FP8 quantize to route, no FP8 product
-    # to add the residual to in bf16
+    # to add the residual to in bf16, and on the CPU no rotary given the attention op
     assert named[spans.SPLIT].attributes == {spans.NUM_PIECES: result.num_pieces, spans.NUM_SPLITS: result.num_splits,
                                              spans.MERGED_LINEARS: 3, spans.ROUTED_QUANTIZES: 0,
-                                             spans.FUSED_RESIDUAL_ADDS: 0, spans.REGION: "layer0"}
+                                             spans.FUSED_RESIDUAL_ADDS: 0, spans.ROUTED_ROTARIES: 0,
+                                             spans.REGION: "layer0"}
     assert named[spans.SAVE].attributes == {spans.BYTES: result.bundle_bytes}
     assert named[spans.TRACE].end_ns <= named[spans.SPLIT].start_ns  # Dynamo, then the backend's own phases
 

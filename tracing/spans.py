@@ -50,6 +50,7 @@ NUM_SPLITS = "kiln.num_splits"
 MERGED_LINEARS = "kiln.merged_linears"  # a region's linear calls made one with an identical one (merged projections)
 ROUTED_QUANTIZES = "kiln.routed_quantizes"  # a region's activation quantizes given Kiln's kernels (norms' too)
 FUSED_RESIDUAL_ADDS = "kiln.fused_residual_adds"  # a region's residual adds taken into its FP8 product
+ROUTED_ROTARIES = "kiln.routed_rotaries"  # a region's q/k rotations taken into the attention op's KV write
 PIECE = "kiln.piece"
 COMPILE_SIZE = "kiln.compile_size"  # a token count, or "symbolic"
 REGION = "kiln.region"  # the compiled region: layer0, layer1, ... (one per kind of decoder layer)

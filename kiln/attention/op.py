@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 
 from kiln.attention import reference as attention_reference
 from kiln.attention.forward_context import current_forward_context
+from kiln.attention.rotary import rotate
 from kiln.dispatcher_op import dispatcher_op
 
 ATTENTION_IMPLEMENTATION = "kiln"
@@ -33,23 +34,27 @@ def asked_of(kwargs: dict, neutral: frozenset[str]) -> list[str]:
     return sorted(k for k, v in kwargs.items() if k not in neutral and v is not None and v is not False)
 
 
-def _fake(q, k, v, layer, scale, window=0, softcap=0.0):
+def _fake(q, k, v, layer, scale, window=0, softcap=0.0, cos=None, sin=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @dispatcher_op(ATTENTION_OP_NAME, "(Tensor q, Tensor k, Tensor v, Tensor layer, float scale, int window=0, "
-               "float softcap=0.0) -> Tensor", _fake)
+               "float softcap=0.0, Tensor? cos=None, Tensor? sin=None) -> Tensor", _fake)
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float, window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the flattened tokens of a step -> [T, Hq, D].
 
     ``layer`` is the layer's index as a 0-d CPU tensor: read without a device sync, and at CUDA-graph capture time.
     ``window`` > 0 limits each query to itself and the ``window - 1`` tokens before it; ``softcap`` > 0 caps the
-    logits at ``softcap * tanh(logits / softcap)``.
+    logits at ``softcap * tanh(logits / softcap)``. With the rotary tables ``cos``/``sin`` [T, D] (the compile's pass
+    kiln.attention.rotary.route_rotary), q and k come unrotated and the op rotates them first.
     """
     ctx = current_forward_context()
+    rotary = None if cos is None else (cos, sin)
+    if rotary is not None and not (q.is_cuda and ctx is not None):  # on CUDA in a step the KV write's kernel does
+        q, k, rotary = rotate(q, cos, sin), rotate(k, cos, sin), None
     if ctx is None:
         return attention_reference.causal_attention(q, k, v, scale, 0, window, softcap).contiguous()
     kv_cache = ctx.kv_caches[int(layer)]
@@ -57,7 +62,8 @@ def attention(
     if q.is_cuda:
         from kiln.attention import triton_kernels as attention_triton
 
-        return attention_triton.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap, kv_scale)
+        return attention_triton.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap, kv_scale,
+                                                rotary)
     return attention_reference.paged_attention(q, k, v, kv_cache, ctx.metadata, scale, window, softcap, kv_scale)
 
 

@@ -84,6 +84,33 @@ PREFILL_HEAVY_FIRST = True
 
 
 @triton.jit
+def _store_kv(cache_ptr, dest, x, scale_ptr, heads, mask, num_kv_heads, KV_SCALED: tl.constexpr):
+    """Store keys or values [heads, dims] at ``dest`` of the cache; in an FP8 cache each head divided by its scale and
+    clamped to the format's range."""
+    if KV_SCALED:
+        x = tl.clamp(x.to(tl.float32) / tl.load(scale_ptr + heads, mask=heads < num_kv_heads, other=1.0),
+                     -FP8_MAX, FP8_MAX)
+    tl.store(cache_ptr + dest, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_halves(row, out_row, cos_row, sin_row, halves, mask, stride_d, HALF: tl.constexpr):
+    """transformers' rotation of a row's heads [heads, 2 x HALF] (``x * cos + rotate_half(x) * sin``, in float32,
+    rounded once) from ``row`` to ``out_row`` (contiguous); returns the rotated halves as stored."""
+    c1 = tl.load(cos_row + halves, mask=halves < HALF, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + HALF + halves, mask=halves < HALF, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row + halves, mask=halves < HALF, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + HALF + halves, mask=halves < HALF, other=0.0).to(tl.float32)
+    x1 = tl.load(row + halves * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + (HALF + halves) * stride_d, mask=mask, other=0.0).to(tl.float32)
+    y1 = (x1 * c1 - x2 * s1).to(out_row.dtype.element_ty)
+    y2 = (x2 * c2 + x1 * s2).to(out_row.dtype.element_ty)
+    tl.store(out_row + halves, y1, mask=mask)
+    tl.store(out_row + HALF + halves, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr,
     v_ptr,
@@ -107,6 +134,18 @@ def _write_kv_kernel(
     stride_oh,
     num_kv_heads,
     num_heads,
+    q_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kot,
+    stride_koh,
+    stride_cos,
+    stride_sin,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -114,11 +153,15 @@ def _write_kv_kernel(
     BLOCK_D: tl.constexpr,
     KV_SCALED: tl.constexpr,
     ZERO_OUT: tl.constexpr,
+    ROTARY: tl.constexpr,
 ):
     """One program per token: copy its k/v [Hkv, D] into the cache at its slot, unless the slot is < 0. KV_SCALED
     (an FP8 cache): each head's k and v divided by its scale and clamped to the format's range first. ZERO_OUT: a
     token whose slot is < 0 (a graph's padding, in no sequence) gets zeros in its attention output row [Hq, D],
-    which no attention kernel writes."""
+    which no attention kernel writes. ROTARY: k and the token's q [Hq, D] arrive unrotated; both are rotated at the
+    token's tables (kiln.attention.rotary.rotate in float32, rounded once as Inductor's fused kernel rounds: a half
+    of each head at a time) and written to k_out / q_out [T, H, D] (contiguous) for the attention kernels, every
+    token's, padding's too, and k as rotated into the cache."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -129,15 +172,27 @@ def _write_kv_kernel(
                  tl.zeros([BLOCK_HQ, BLOCK_D], out_ptr.dtype.element_ty),
                  mask=(q_heads < num_heads) & (dims < HEAD_DIM) & (slot < 0))
     mask = (heads < num_kv_heads) & (slot >= 0) & (dims < HEAD_DIM)
-    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch
+    if ROTARY:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        halves = tl.arange(0, BLOCK_D // 2)[None, :]
+        cos_row, sin_row = cos_ptr + token * stride_cos, sin_ptr + token * stride_sin
+        q_heads = tl.arange(0, BLOCK_HQ)[:, None]
+        _rotate_halves(q_ptr + token * stride_qt + q_heads * stride_qh,
+                       q_out_ptr + token * stride_ot + q_heads * stride_oh, cos_row, sin_row, halves,
+                       (q_heads < num_heads) & (halves < HALF), stride_qd, HALF)
+        k1, k2 = _rotate_halves(k_ptr + token * stride_kt + heads * stride_kh,
+                                k_out_ptr + token * stride_kot + heads * stride_koh, cos_row, sin_row, halves,
+                                (heads < num_kv_heads) & (halves < HALF), stride_kd, HALF)
+        in_cache = (heads < num_kv_heads) & (slot >= 0) & (halves < HALF)
+        _store_kv(k_cache_ptr, dest + halves * stride_cd, k1, k_scale_ptr, heads, in_cache, num_kv_heads, KV_SCALED)
+        _store_kv(k_cache_ptr, dest + (HALF + halves) * stride_cd, k2, k_scale_ptr, heads, in_cache, num_kv_heads,
+                  KV_SCALED)
+    else:
+        k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+        _store_kv(k_cache_ptr, dest + dims * stride_cd, k, k_scale_ptr, heads, mask, num_kv_heads, KV_SCALED)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
-    dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims * stride_cd
-    if KV_SCALED:
-        head_mask = heads < num_kv_heads
-        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr + heads, mask=head_mask, other=1.0), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr + heads, mask=head_mask, other=1.0), -FP8_MAX, FP8_MAX)
-    tl.store(k_cache_ptr + dest, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dest, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    _store_kv(v_cache_ptr, dest + dims * stride_cd, v, v_scale_ptr, heads, mask, num_kv_heads, KV_SCALED)
 
 
 @triton.jit
@@ -722,12 +777,19 @@ def _kv_scales(kv_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torc
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:
+             kv_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+             rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Store k/v [T, Hkv, D] at their slots of ``kv_cache``; slots < 0 are padding and left untouched. With ``out``
-    (the attention output [T, Hq, D], its last dimension contiguous), the rows of padding tokens are set to zeros."""
+    (the attention output [T, Hq, D], contiguous), the rows of padding tokens are set to zeros. With ``rotary`` (q
+    [T, Hq, D] and the tables cos / sin [T, D], their last dimension contiguous; needs ``out``), k and q arrive
+    unrotated: k is rotated before it is stored, and (rotated q, rotated k), contiguous, are returned."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_heads = 1 if out is None else out.shape[1]
+    q, cos, sin = rotary or (None, None, None)
+    q_out = None if q is None else torch.empty_like(out)
+    k_out = None if q is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _write_kv_kernel[(k.shape[0],)](
         k,
         v,
@@ -742,6 +804,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         *(out.stride()[:2] if out is not None else (0, 0)),
         num_kv_heads,
         num_heads,
+        q,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        *(q.stride() if q is not None else (0, 0, 0)),
+        *(k_out.stride()[:2] if k_out is not None else (0, 0)),
+        cos.stride(0) if cos is not None else 0,
+        sin.stride(0) if sin is not None else 0,
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_HQ=triton.next_power_of_2(num_heads),
@@ -749,7 +820,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         BLOCK_D=triton.next_power_of_2(head_dim),
         KV_SCALED=kv_scale is not None,
         ZERO_OUT=out is not None,
+        ROTARY=q is not None,
     )
+    return None if q is None else (q_out, k_out)
 
 
 def _decode(
@@ -899,11 +972,13 @@ def _prefill(
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
     window: int = 0, softcap: float = 0.0, kv_scale: torch.Tensor | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write k/v into the cache, then attend each sequence's queries over its cached context -> [T, Hq, D].
 
     Tokens that belong to no sequence, and those of sequences with an empty context, get zeros. ``kv_scale``
-    [2, Hkv] float32: the cache is FP8, each head's keys and values stored divided by their scale.
+    [2, Hkv] float32: the cache is FP8, each head's keys and values stored divided by their scale. ``rotary``
+    (cos, sin [T, D]): q and k arrive unrotated, and the KV write rotates them (kiln.attention.rotary).
 
     The output is not filled first (at 2,048 tokens a fill was 6 µs of a 0.96 ms layer): the decode and prefill
     kernels write every token of every sequence, the decode kernel a graph's padding rows too, and the KV write
@@ -914,7 +989,11 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} must be at most {MAX_CUDA_HEAD_DIM} and match the cache's "
                          f"{kv_cache.shape[-1]}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale, out)
+    if rotary is None:
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale, out)
+    else:
+        tables = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in rotary)
+        q, k = write_kv(k, v, kv_cache, meta.slot_mapping, kv_scale, out, (q, *tables))
     if meta.is_decode:  # every token is a row of one query (a graph's padding rows too), whose output it writes
         _decode(q, kv_cache, meta, scale, window, softcap, out, kv_scale)
     else:
