@@ -781,9 +781,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
              rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Store k/v [T, Hkv, D] at their slots of ``kv_cache``; slots < 0 are padding and left untouched. With ``out``
-    (the attention output [T, Hq, D], contiguous), the rows of padding tokens are set to zeros. With ``rotary`` (q
-    [T, Hq, D] and the tables cos / sin [T, D], their last dimension contiguous; needs ``out``), k and q arrive
-    unrotated: k is rotated before it is stored, and (rotated q, rotated k), contiguous, are returned."""
+    (the attention output [T, Hq, D], its last dimension contiguous), the rows of padding tokens are set to zeros.
+    With ``rotary`` (q [T, Hq, D] and the tables cos / sin [T, D], their last dimension contiguous; needs ``out``, the
+    rotated q taking its strides), k and q arrive unrotated: k is rotated before it is stored, and (rotated q, rotated
+    k) are returned."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_heads = 1 if out is None else out.shape[1]
