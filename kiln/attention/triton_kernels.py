@@ -789,7 +789,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_heads = 1 if out is None else out.shape[1]
     q, cos, sin = rotary or (None, None, None)
-    q_out = None if q is None else torch.empty_like(out)
+    q_out = None if q is None else torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device)
     k_out = None if q is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _write_kv_kernel[(k.shape[0],)](
         k,
