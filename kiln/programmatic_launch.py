@@ -8,6 +8,13 @@ started may read what every kernel two or more back wrote, which Inductor's kern
 option assume too. On an H100 the FP8 GEMM and its reduce launched so took the 8B decode step from 3.86 / 4.27 /
 5.65 to 3.67 / 4.08 / 5.44 ms at batch 1 / 8 / 32 (BENCHMARKS.md). The quantize kernel launched so made batch 8 and 32
 slower, the decode attention's kernels gained nothing: they launch as before.
+
+What a GEMM reads that no kernel writes, its weight, it may read before its wait. Kiln's quantize kernels, which
+write the GEMMs' inputs, let the GEMM after them start as they start (they themselves launch without PDL, so they
+begin once the kernel before has ended, and the GEMM still reads what they write only after its wait): the GEMM's
+programs ask the L2 for the first tiles of their weight rows (``prefetch_l2``) while the quantize runs, so that the
+HBM streams weights during the small kernels of a decode layer (at batch 1 on the H200 a fifth of the layer, ~10 µs,
+in which only the attention reads HBM; BENCHMARKS.md).
 """
 
 import functools
@@ -17,7 +24,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kiln.multiprocessors import sm_count
+
 ENABLED = True  # bench/forward_latency.py --no-kernel-pdl turns it off, to measure what it gives
+# Weight bytes each program of Kiln's GEMM asks the L2 for before its wait; 0: none, and the quantize kernels release
+# the GEMM only as they end (bench/forward_latency.py --weight-prefetch-kb)
+PREFETCH_BYTES = 128 * 1024
 
 
 @functools.cache
@@ -29,6 +41,13 @@ def _capable(device: torch.device) -> bool:
 def enabled(device: torch.device) -> bool:
     """Whether Kiln's GEMM launches on ``device`` with programmatic dependent launch: CUDA on sm_90 or later."""
     return ENABLED and device.type == "cuda" and _capable(device)
+
+
+def leads(programs: int, device: torch.device) -> bool:
+    """Whether a quantize kernel of ``programs`` programs lets the GEMM after it start as it starts: with programmatic
+    launch and the weight prefetch on, where its programs all run at once (a decode step's rows), so that no program
+    of the GEMM takes an SM one of its own still waits for."""
+    return enabled(device) and PREFETCH_BYTES > 0 and programs <= sm_count(device)
 
 
 @triton.jit
@@ -44,3 +63,10 @@ def release(PDL: tl.constexpr):
     done: released at its start, the next kernel's programs would take SMs its later programs still need."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask the L2 for the lines at ``ptrs`` (a tensor of global pointers, any value in each 128-byte line) and go on:
+    nothing waits for them, and a later load of those bytes finds them in the L2 or already on their way."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
