@@ -95,12 +95,12 @@ def _quantization_kernels() -> dict:
         "quantize-glu": Build(
             quantize_kernel._quantize_kernel,
             dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
-            dict(GLU=True, BLOCK=block, ONE_PASS=one_pass, LEAD=True),
+            dict(GLU=True, BLOCK=block, ONE_PASS=one_pass, LEAD=True, FOLLOW=False),
             (), warps, 3),
         "norm-quantize-add": Build(
             norm_quantize_kernel._rms_norm_quantize_kernel,
             dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", sum_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
-            dict(ADD=True, BLOCK=4096, LEAD=True),
+            dict(ADD=True, BLOCK=4096, LEAD=True, FOLLOW=False),
             (), norm_quantize_kernel.num_warps(4096), 3),
     }
 

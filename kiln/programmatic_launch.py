@@ -31,6 +31,11 @@ ENABLED = True  # bench/forward_latency.py --no-kernel-pdl turns it off, to meas
 # Weight bytes each program of Kiln's GEMM asks the L2 for before its wait; 0: none, and the quantize kernels release
 # the GEMM only as they end (bench/forward_latency.py --weight-prefetch-kb)
 PREFETCH_BYTES = 128 * 1024
+# Whether Kiln's quantize kernels of few warps launch with PDL themselves, starting while the GEMM before them ends
+# (off: the SiLU x up quantize's 32 warps launched so made batch 8 and 32 slower; bench/forward_latency.py
+# --small-kernel-pdl measures the norm and attention-output quantizes' 8)
+SMALL_KERNEL_PDL = False
+SMALL_KERNEL_MAX_WARPS = 8
 
 
 @functools.cache
@@ -49,6 +54,13 @@ def leads(programs: int, device: torch.device) -> bool:
     launch and the weight prefetch on, where its programs all run at once (a decode step's rows), so that no program
     of the GEMM takes an SM one of its own still waits for."""
     return enabled(device) and PREFETCH_BYTES > 0 and programs <= sm_count(device)
+
+
+def follows(programs: int, warps: int, device: torch.device) -> bool:
+    """Whether a quantize kernel of ``programs`` programs of ``warps`` warps launches with PDL itself: where
+    SMALL_KERNEL_PDL asks, its programs all run at once and are at most SMALL_KERNEL_MAX_WARPS wide. It waits for the
+    kernel before it before it reads anything."""
+    return SMALL_KERNEL_PDL and enabled(device) and warps <= SMALL_KERNEL_MAX_WARPS and programs <= sm_count(device)
 
 
 @triton.jit

@@ -117,10 +117,11 @@ def test_fp8_mm_takes_the_kernel_for_decode_sized_steps_and_scaled_mm_past_them(
 @pytest.mark.parametrize("m", [1, SPLIT_M])
 def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, monkeypatch):
     """Llama-3-8B's MLP as the decode graph runs it (the residual add, RMSNorm and quantize, gate/up, SiLU x up
-    quantize, down), replayed from CUDA graphs captured without programmatic dependent launch, with it, and with it
-    and the weight prefetch (the quantize kernels releasing the GEMM after them first thing), each input written just
-    before the replay: a kernel reading its input before the one that writes it has ended would differ. The kernel
-    sees 1,024 SMs, so that down splits K and its reduce runs in the chain too.
+    quantize, down), two layers' of it, replayed from CUDA graphs captured without programmatic dependent launch,
+    with it, with it and the weight prefetch (the quantize kernels releasing the GEMM after them first thing), and
+    with the norm kernel launched with PDL too, each input written just before the replay: a kernel reading its input
+    before the one that writes it has ended would differ. The kernel sees 1,024 SMs, so that down splits K and its
+    reduce runs in the chain too.
     """
     from kiln import programmatic_launch
     from kiln.quantization import fp8_small_m
@@ -137,16 +138,21 @@ def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, m
     norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
     x, residual = (torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 
-    def mlp():
-        xq, x_scale, total = rms_norm_quantize_rows(x, norm, 1e-5, residual)
+    def layer(hidden, res):
+        xq, x_scale, total = rms_norm_quantize_rows(hidden, norm, 1e-5, res)
         h = small_m_mm(xq, x_scale.reshape(-1), gate_up, gate_up_scale)
         hq, h_scale = quantize_rows_fp8(h[:, :14336], h[:, 14336:])
-        return small_m_mm(hq, h_scale.reshape(-1), down, down_scale, total)
+        return small_m_mm(hq, h_scale.reshape(-1), down, down_scale, total), total
+
+    def mlp():  # two layers' MLPs: the second's norm starts while the first's down ends
+        return layer(*layer(x, residual))[0]
 
     outputs = {}
-    for pdl, prefetch in ((False, 0), (True, 0), (True, 256 * 1024)):
+    for pdl, prefetch, small in ((False, 0, False), (True, 0, False), (True, 256 * 1024, False),
+                                 (True, 256 * 1024, True)):
         monkeypatch.setattr(programmatic_launch, "ENABLED", pdl)
         monkeypatch.setattr(programmatic_launch, "PREFETCH_BYTES", prefetch)
+        monkeypatch.setattr(programmatic_launch, "SMALL_KERNEL_PDL", small)
         mlp()  # build the kernels outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -158,6 +164,7 @@ def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, m
                 tensor.copy_(torch.randn(m, 4096, generator=generator, device="cuda", dtype=torch.bfloat16))
             graph.replay()
             results.append(out.clone())
-        outputs[pdl, prefetch] = torch.stack(results)
-    assert outputs[True, 0].abs().sum() > 0
-    assert torch.equal(outputs[False, 0], outputs[True, 0]) and torch.equal(outputs[False, 0], outputs[True, 262144])
+        outputs[pdl, prefetch, small] = torch.stack(results)
+    first, *others = outputs.values()
+    assert first.abs().sum() > 0
+    assert all(torch.equal(first, other) for other in others)
