@@ -23,9 +23,8 @@ from kiln.quantization.quantize_kernel import quantize_rows_fp8
 
 HIDDEN, INTERMEDIATE = 4096, 14336
 # (GEMM, out_features, in_features, the kernel that writes its input)
-PAIRS = (("qkv", 6144, HIDDEN, "norm"), ("o", HIDDEN, HIDDEN, "quantize"), ("gate_up", 2 * INTERMEDIATE, HIDDEN,
-                                                                              "add-norm"),
-         ("down", HIDDEN, INTERMEDIATE, "silu"))
+PAIRS = (("qkv", 6144, HIDDEN, "norm"), ("o", HIDDEN, HIDDEN, "quantize"),
+         ("gate_up", 2 * INTERMEDIATE, HIDDEN, "add-norm"), ("down", HIDDEN, INTERMEDIATE, "silu"))
 
 
 def pair(m: int, n: int, k: int, producer: str, copies: int):
