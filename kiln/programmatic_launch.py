@@ -11,9 +11,11 @@ slower, the decode attention's kernels gained nothing: they launch as before.
 
 What a GEMM reads that no kernel writes, its weight, it may read before its wait. Kiln's quantize kernels, which
 write the GEMMs' inputs, let the GEMM after them start as they start (they themselves launch without PDL, so they
-begin once the kernel before has ended, and the GEMM still reads what they write only after its wait): the GEMM's
-programs ask the L2 for the first tiles of their weight rows (``prefetch_l2``) while the quantize runs, so that the
-HBM streams weights during the small kernels of a decode layer (at batch 1 on the H200 the quantize and norm kernels
+begin once the kernel before has ended, and the GEMM still reads what they write only after its wait; under
+SMALL_KERNEL_PDL the 8-warp ones launch with PDL too and wait before they read, so the GEMM may start while the kernel
+two back ends, and reads nothing of it before its own wait): the GEMM's programs ask the L2 for the first tiles of
+their weight rows (``prefetch_l2``) while the quantize runs, so that the HBM streams weights during the small kernels
+of a decode layer (at batch 1 on the H200 the quantize and norm kernels
 take ~10 µs of the layer's 87; BENCHMARKS.md). Not yet timed on a GPU; the twenty-ninth session's nearest variant,
 each GEMM prefetching the next product's weight once its K loop was done, gained at most 1.4% on an H100.
 """
