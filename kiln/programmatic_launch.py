@@ -35,7 +35,9 @@ ENABLED = True  # bench/forward_latency.py --no-kernel-pdl turns it off, to meas
 PREFETCH_BYTES = 128 * 1024
 # Whether Kiln's quantize kernels of few warps launch with PDL themselves, starting while the GEMM before them ends
 # (off: the SiLU x up quantize's 32 warps launched so made batch 8 and 32 slower; bench/forward_latency.py
-# --small-kernel-pdl measures the norm and attention-output quantizes' 8)
+# --small-kernel-pdl measures the norm and attention-output quantizes' 8). A kernel they release then may start before
+# the one two back has ended: Kiln's GEMM reads nothing of it before its wait, but an Inductor kernel under
+# ``triton.enable_pdl`` assumes otherwise, so the two are not for one bundle.
 SMALL_KERNEL_PDL = False
 SMALL_KERNEL_MAX_WARPS = 8
 
