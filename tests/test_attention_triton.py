@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from graph_replays import replays
 
 from kiln.attention import reference as attention_reference
 from kiln.attention.forward_context import AttentionMetadata
@@ -668,16 +669,5 @@ def test_the_decode_reduce_releasing_the_output_quantize_changes_no_bit(monkeypa
     outputs = []
     for small in (False, True):
         monkeypatch.setattr(programmatic_launch, "SMALL_KERNEL_PDL", small)
-        step()  # build the kernels outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            product = step()
-        results = []
-        for seed in range(10):
-            generator = torch.Generator("cuda").manual_seed(seed)
-            for tensor in (case.q, case.k, case.v):
-                tensor.copy_(torch.randn(tensor.shape, generator=generator, device="cuda", dtype=tensor.dtype))
-            graph.replay()
-            results.append(product.clone())
-        outputs.append(torch.stack(results))
+        outputs.append(replays(step, (case.q, case.k, case.v), 10))
     assert outputs[0].abs().sum() > 0 and torch.equal(outputs[0], outputs[1])

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from graph_replays import replays
 
 from kiln.quantization.activation_quant import quantize_tokens
 from kiln.quantization.fp8_linear import quantize_rows
@@ -147,24 +148,13 @@ def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, m
     def mlp():  # two layers' MLPs: the second's norm starts while the first's down ends
         return layer(*layer(x, residual))[0]
 
-    outputs = {}
+    outputs = []
     for pdl, prefetch, small in ((False, 0, False), (True, 0, False), (True, 256 * 1024, False),
                                  (True, 256 * 1024, True)):
         monkeypatch.setattr(programmatic_launch, "ENABLED", pdl)
         monkeypatch.setattr(programmatic_launch, "PREFETCH_BYTES", prefetch)
         monkeypatch.setattr(programmatic_launch, "SMALL_KERNEL_PDL", small)
-        mlp()  # build the kernels outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = mlp()
-        results = []
-        for step in range(20):
-            generator = torch.Generator("cuda").manual_seed(step)
-            for tensor in (x, residual):
-                tensor.copy_(torch.randn(m, 4096, generator=generator, device="cuda", dtype=torch.bfloat16))
-            graph.replay()
-            results.append(out.clone())
-        outputs[pdl, prefetch, small] = torch.stack(results)
-    first, *others = outputs.values()
+        outputs.append(replays(mlp, (x, residual), 20))
+    first, *others = outputs
     assert first.abs().sum() > 0
     assert all(torch.equal(first, other) for other in others)
