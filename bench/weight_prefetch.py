@@ -13,10 +13,9 @@ usage: python bench/weight_prefetch.py [--tokens 1,8,32] [--kb 0,32,64,128,256,5
 import argparse
 
 import torch
-from triton.testing import do_bench_cudagraph
+from fp8_gemm import streamed_us, streamed_weights
 
 from kiln import programmatic_launch
-from kiln.quantization.fp8_linear import quantize_rows
 from kiln.quantization.fp8_small_m import small_m_mm
 from kiln.quantization.norm_quantize_kernel import rms_norm_quantize_rows
 from kiln.quantization.quantize_kernel import quantize_rows_fp8
@@ -27,12 +26,11 @@ PAIRS = (("qkv", 6144, HIDDEN, "norm"), ("o", HIDDEN, HIDDEN, "quantize"),
          ("gate_up", 2 * INTERMEDIATE, HIDDEN, "add-norm"), ("down", HIDDEN, INTERMEDIATE, "silu"))
 
 
-def pair(m: int, n: int, k: int, producer: str, copies: int):
-    """fn(i): the producer over fresh activations, then the product with weight copy i."""
+def pair(m: int, n: int, k: int, producer: str, weights: list):
+    """fn(i): the producer over fresh activations, then the product with ``weights[i]``."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     other = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     norm = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-    weights = [quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02) for _ in range(copies)]
 
     def run(i: int) -> torch.Tensor:
         if producer == "norm":
@@ -45,11 +43,6 @@ def pair(m: int, n: int, k: int, producer: str, copies: int):
             q, scale = quantize_rows_fp8(x)
         return small_m_mm(q, scale.reshape(-1), *weights[i])
     return run
-
-
-def pair_us(fn, copies: int) -> float:
-    """µs a pair, the copies replayed in turn from one CUDA graph."""
-    return do_bench_cudagraph(lambda: [fn(i) for i in range(copies)], rep=30, return_mode="median") * 1e3 / copies
 
 
 def main() -> None:
@@ -65,13 +58,13 @@ def main() -> None:
     print("|---|---|---|---|" + "---|" * len(sizes))
     for m in map(int, args.tokens.split(",")):
         for name, n, k, producer in PAIRS:
-            copies = max(2, 1 + 2 * l2 // (n * k))
-            fn = pair(m, n, k, producer, copies)
+            weights = streamed_weights(n, k, l2)
+            fn = pair(m, n, k, producer, weights)
             mb = n * k / 1e6
             cells = []
             for pdl, kb in [(False, 0)] + [(True, kb) for kb in sizes]:
                 programmatic_launch.ENABLED, programmatic_launch.PREFETCH_BYTES = pdl, kb * 1024
-                us = pair_us(fn, copies)
+                us = streamed_us(fn, len(weights))
                 cells.append(f"{us:.1f} ({mb / us:.2f})")
             print(f"| {m} | {name} | {producer} | " + " | ".join(cells) + " |", flush=True)
 
