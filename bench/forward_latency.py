@@ -173,11 +173,18 @@ def decode_bench_args(batch_sizes: str) -> tuple[argparse.Namespace, list[int]]:
     p.add_argument("--kv-cache-dtype", default="", choices=["", "fp8_e4m3"], help="fp8_e4m3: an FP8 KV cache")
     p.add_argument("--no-kernel-pdl", action="store_true",
                    help="Kiln's FP8 GEMM without programmatic dependent launch (what it gives, by difference)")
+    p.add_argument("--weight-prefetch-kb", type=int, default=programmatic_launch.PREFETCH_BYTES // 1024,
+                   help="weight KB each program of Kiln's FP8 GEMM asks the L2 for while the quantize before it runs "
+                        "(0: none; kiln.programmatic_launch)")
+    p.add_argument("--small-kernel-pdl", action="store_true",
+                   help="Kiln's norm and attention-output quantize kernels (8 warps) launched with PDL themselves")
     p.add_argument("--kiln-only", action="store_true",
                    help="time Kiln's step alone (A/B runs of one setting; the other columns print as -)")
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
     programmatic_launch.ENABLED = not args.no_kernel_pdl
+    programmatic_launch.PREFETCH_BYTES = args.weight_prefetch_kb * 1024
+    programmatic_launch.SMALL_KERNEL_PDL = args.small_kernel_pdl
     return args, [int(s) for s in args.batch_sizes.split(",")]
 
 

@@ -89,17 +89,18 @@ def _quantization_kernels() -> dict:
             fp8_small_m._swap_ab_kernel,
             dict(x_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", out_ptr="*bf16",
                  part_ptr="*fp32", res_ptr="*bf16"),
-            dict(BLOCK_M=16, BLOCK_N=fp8_small_m.BLOCK_N, BLOCK_K=block_k, SPLIT_K=1, RESIDUAL=False, PDL=True),
+            dict(BLOCK_M=16, BLOCK_N=fp8_small_m.BLOCK_N, BLOCK_K=block_k, SPLIT_K=1, RESIDUAL=False, PDL=True,
+                 PREFETCH=fp8_small_m.prefetched_tiles(fp8_small_m.BLOCK_N, block_k, 4096)),
             (), fp8_small_m.NUM_WARPS, fp8_small_m.DEEP_STAGES),
         "quantize-glu": Build(
             quantize_kernel._quantize_kernel,
             dict(x_ptr="*bf16", up_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
-            dict(GLU=True, BLOCK=block, ONE_PASS=one_pass),
+            dict(GLU=True, BLOCK=block, ONE_PASS=one_pass, LEAD=True, FOLLOW=False),
             (), warps, 3),
         "norm-quantize-add": Build(
             norm_quantize_kernel._rms_norm_quantize_kernel,
             dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", sum_ptr="*bf16", q_ptr="*fp8e4nv", scale_ptr="*fp32"),
-            dict(ADD=True, BLOCK=4096),
+            dict(ADD=True, BLOCK=4096, LEAD=True, FOLLOW=False),
             (), norm_quantize_kernel.num_warps(4096), 3),
     }
 
@@ -154,7 +155,7 @@ def describe(name: str, build: Build, arch: int) -> str:
                      for count, ops in loops(sass) if count >= 20) or "-"
     total = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
     return (f"| {name} | {build.num_warps} / {build.num_stages} | {regs} | {stack} | {shared:.1f} | {total} | {body} | "
-            f"{global_loads(sass)} |")
+            f"{global_loads(sass)} | {launch_order(sass)} |")
 
 
 def global_loads(sass: str) -> str:
@@ -168,6 +169,19 @@ def global_loads(sass: str) -> str:
     return " ".join(f"{n}x{w}" for w, n in sorted(widths.items(), key=lambda item: int(item[0]))) or "-"
 
 
+def launch_order(sass: str) -> str:
+    """The kernel's programmatic-launch instructions in program order, as "8 prefetch, wait, release": its L2
+    prefetches (CCTL.E.PF2), its wait for the kernel before (ACQBULK) and its release of the next (PREEXIT)."""
+    events = []
+    for op in re.findall(r"\b(CCTL\.E\.PF2|ACQBULK|PREEXIT)\b", sass):
+        event = {"ACQBULK": "wait", "PREEXIT": "release"}.get(op, "prefetch")
+        if events and events[-1][0] == event:
+            events[-1][1] += 1
+        else:
+            events.append([event, 1])
+    return ", ".join(f"{n} {event}" if n > 1 else event for event, n in events) or "-"
+
+
 def main() -> None:
     kernels = {**_attention_kernels(), **_quantization_kernels()}
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,8 +190,9 @@ def main() -> None:
     args = p.parse_args()
     print(f"Triton {triton.__version__}, sm_{args.arch}; loops of at least 20 instructions, each: instructions "
           f"(most frequent opcodes); global loads: count x bits a thread")
-    print("| kernel | warps / stages | registers | stack bytes | shared KB | instructions | loops | global loads |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| kernel | warps / stages | registers | stack bytes | shared KB | instructions | loops | global loads "
+          "| programmatic launch |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.kernels.split(","):
         print(describe(name, kernels[name], args.arch), flush=True)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from graph_replays import replays
 
 from kiln.attention import reference as attention_reference
 from kiln.attention.forward_context import AttentionMetadata
@@ -681,3 +682,32 @@ def test_sliding_window_never_reads_freed_blocks(shape, step, window):
     """Steps of GPU size (prefill tiles a window edge crosses, decodes, cached prefixes) over freed blocks."""
     seq_lens, query_lens = PREFILL_STEPS[step]
     check_freed_outside_windows(make_case(seq_lens, query_lens, *shape, window=window))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90 or later")
+def test_the_decode_reduce_releasing_the_output_quantize_changes_no_bit(monkeypatch):
+    """A batch-1 decode over 1,024 tokens (split, merged by the reduce kernel), its output quantized and multiplied
+    by o's FP8 weight, replayed from CUDA graphs captured with the small kernels launched with PDL and without: the
+    reduce releases the quantize, the quantize the product, each waiting before it reads (kiln.programmatic_launch).
+    A kernel reading its input before the one that writes it has ended would differ."""
+    from kiln import programmatic_launch
+    from kiln.attention import triton_kernels as attention_triton
+    from kiln.quantization.fp8_linear import quantize_rows
+    from kiln.quantization.fp8_small_m import small_m_mm
+    from kiln.quantization.quantize_kernel import quantize_rows_fp8
+
+    case = make_case([1024], [1], 32, 8, 128, 16, torch.bfloat16)
+    assert attention_triton._decode_splits(1, 8, 1024, case.q.device) > attention_triton.MERGE_MAX_SPLITS
+    weight, weight_scale = quantize_rows(torch.randn(4096, 4096, device="cuda") * 0.02)
+
+    def step():
+        out = attention_triton.paged_attention(case.q, case.k, case.v, case.kv_cache, case.meta, case.scale)
+        q, scale = quantize_rows_fp8(out.reshape(1, 4096))
+        return small_m_mm(q, scale.reshape(-1), weight, weight_scale)
+
+    outputs = []
+    for small in (False, True):
+        monkeypatch.setattr(programmatic_launch, "SMALL_KERNEL_PDL", small)
+        outputs.append(replays(step, (case.q, case.k, case.v), 10))
+    assert outputs[0].abs().sum() > 0 and torch.equal(outputs[0], outputs[1])

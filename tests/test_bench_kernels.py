@@ -40,7 +40,9 @@ def test_the_fp8_gemm_bench_checks_its_candidates():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its bundled ptxas, nvdisasm and cuobjdump)")
 def test_kernel_sass_reads_every_kernel_kiln_builds():
     """Each kernel's row: registers and instructions read from the cubin, and the loops the tree's kernels have (the
-    FP8 GEMM's K loop issues its tensor-core dots and asynchronous copies: it is pipelined)."""
+    FP8 GEMM's K loop issues its tensor-core dots and asynchronous copies: it is pipelined). The FP8 GEMM asks the
+    L2 for its first weight tiles before it waits for the kernel ahead, and the quantize kernels before it release it
+    first thing (kiln.programmatic_launch)."""
     out = _run("bench/kernel_sass.py", interpret=False)
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([\w-]+) \| \d+ / \d+ \| (\d+) \|.*$", out, re.M)}
     assert set(rows) == {"decode", "decode-fp8", "decode-fp8-one-split", "prefill", "prefill-fp8", "fp8-gemm",
@@ -50,7 +52,12 @@ def test_kernel_sass_reads_every_kernel_kiln_builds():
         assert 0 < registers <= 255, row
     assert "QGMMA" in rows["fp8-gemm"] and "LDGSTS" in rows["fp8-gemm"], rows["fp8-gemm"]
     for name in ("quantize-glu", "norm-quantize-add"):  # rows read 16 bytes a load
-        assert re.search(r"\| \d+x128 \|$", rows[name]), rows[name]
+        assert re.search(r"\| \d+x128 \| release \|$", rows[name]), rows[name]
+    from kiln.quantization.fp8_small_m import BLOCK_N, prefetched_tiles
+
+    # o's tiles (64 x 256 bytes, 128 lines): a prefetch a thread a tile, PREFETCH_BYTES of them
+    tiles = prefetched_tiles(BLOCK_N, 256, 4096)
+    assert tiles > 1 and re.search(rf"\| {tiles} prefetch, wait, release \|$", rows["fp8-gemm"]), rows["fp8-gemm"]
     # two of SiLU x up's 1,024-thread programs share an SM's 65,536 registers (quantize_kernel's docstring)
     assert int(rows["quantize-glu"].split("|")[3]) <= 32, rows["quantize-glu"]
 

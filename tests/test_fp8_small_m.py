@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from graph_replays import replays
 
 from kiln.quantization.activation_quant import quantize_tokens
 from kiln.quantization.fp8_linear import quantize_rows
@@ -116,14 +117,17 @@ def test_fp8_mm_takes_the_kernel_for_decode_sized_steps_and_scaled_mm_past_them(
                     reason="programmatic dependent launch needs sm_90 or later")
 @pytest.mark.parametrize("m", [1, SPLIT_M])
 def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, monkeypatch):
-    """Llama-3-8B's MLP as the decode graph runs it (quantize, gate/up, SiLU x up quantize, down), replayed from CUDA
-    graphs captured with and without programmatic dependent launch, each input written just before the replay: a
-    kernel reading its input before the one that writes it has ended would differ. The kernel sees 1,024 SMs, so that
-    down splits K and its reduce runs in the chain too.
+    """Llama-3-8B's MLP as the decode graph runs it (the residual add, RMSNorm and quantize, gate/up, SiLU x up
+    quantize, down), two layers' of it, replayed from CUDA graphs captured without programmatic dependent launch,
+    with it, with it and the weight prefetch (the quantize kernels releasing the GEMM after them first thing), and
+    with the norm kernel launched with PDL too, each input written just before the replay: a kernel reading its input
+    before the one that writes it has ended would differ. The kernel sees 1,024 SMs, so that down splits K and its
+    reduce runs in the chain too.
     """
     from kiln import programmatic_launch
     from kiln.quantization import fp8_small_m
     from kiln.quantization.fp8_small_m import small_m_mm
+    from kiln.quantization.norm_quantize_kernel import rms_norm_quantize_rows
     from kiln.quantization.quantize_kernel import quantize_rows_fp8
 
     monkeypatch.setattr(fp8_small_m, "sm_count", lambda device: 1024)
@@ -132,27 +136,25 @@ def test_programmatic_launch_changes_no_bit_of_an_mlp_chain_in_a_cuda_graph(m, m
     torch.manual_seed(0)
     gate_up, gate_up_scale = quantize_rows(torch.randn(28672, 4096, device="cuda") * 0.02)
     down, down_scale = quantize_rows(torch.randn(4096, 14336, device="cuda") * 0.02)
-    x = torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16)
+    norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    x, residual = (torch.empty(m, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 
-    def mlp():
-        xq, x_scale = quantize_rows_fp8(x)
+    def layer(hidden, res):
+        xq, x_scale, total = rms_norm_quantize_rows(hidden, norm, 1e-5, res)
         h = small_m_mm(xq, x_scale.reshape(-1), gate_up, gate_up_scale)
         hq, h_scale = quantize_rows_fp8(h[:, :14336], h[:, 14336:])
-        return small_m_mm(hq, h_scale.reshape(-1), down, down_scale)
+        return small_m_mm(hq, h_scale.reshape(-1), down, down_scale, total), total
 
-    outputs = {}
-    for pdl in (False, True):
+    def mlp():  # two layers' MLPs: the second's norm starts while the first's down ends
+        return layer(*layer(x, residual))[0]
+
+    outputs = []
+    for pdl, prefetch, small in ((False, 0, False), (True, 0, False), (True, 256 * 1024, False),
+                                 (True, 256 * 1024, True)):
         monkeypatch.setattr(programmatic_launch, "ENABLED", pdl)
-        mlp()  # build the kernels outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = mlp()
-        results = []
-        for step in range(20):
-            x.copy_(torch.randn(m, 4096, generator=torch.Generator("cuda").manual_seed(step), device="cuda",
-                                dtype=torch.bfloat16))
-            graph.replay()
-            results.append(out.clone())
-        outputs[pdl] = torch.stack(results)
-    assert outputs[True].abs().sum() > 0
-    assert torch.equal(outputs[False], outputs[True])
+        monkeypatch.setattr(programmatic_launch, "PREFETCH_BYTES", prefetch)
+        monkeypatch.setattr(programmatic_launch, "SMALL_KERNEL_PDL", small)
+        outputs.append(replays(mlp, (x, residual), 20))
+    first, *others = outputs
+    assert first.abs().sum() > 0
+    assert all(torch.equal(first, other) for other in others)

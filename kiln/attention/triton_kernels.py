@@ -38,9 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln import programmatic_launch
 from kiln.attention.forward_context import AttentionMetadata
 from kiln.model.features import MAX_CUDA_HEAD_DIM
 from kiln.multiprocessors import sm_count
+from kiln.programmatic_launch import release
 from kiln.shared_memory import max_shared_bytes
 
 LOG2E = 1.4426950408889634
@@ -541,9 +543,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    LEAD: tl.constexpr,
 ):
     """Merge the splits of one (sequence, query head) into its output row; zeros when the context is empty. Rows
-    that are not decodes (no query, or several) are left to the prefill kernel."""
+    that are not decodes (no query, or several) are left to the prefill kernel. LEAD: the kernel after it, launched
+    with PDL (the output's quantize, kiln.programmatic_launch), may start now; it waits for this one to end."""
+    release(LEAD)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)
@@ -899,6 +904,7 @@ def _decode(
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
         BLOCK_S=MAX_DECODE_SPLITS,  # one kernel for every split count
+        LEAD=programmatic_launch.SMALL_KERNEL_PDL and programmatic_launch.leads(batch * num_heads, out.device),
         num_warps=4,
     )
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kiln import programmatic_launch
 from kiln.multiprocessors import sm_count
-from kiln.programmatic_launch import release, wait
+from kiln.programmatic_launch import prefetch_l2, release, wait
 from kiln.shared_memory import max_shared_bytes
 
 BLOCK_N = 64  # weight rows per program: the FP8 dot's wgmma side
@@ -37,15 +37,22 @@ REDUCE_BLOCK = 256  # outputs a reduce program sums: a 1-row step of N 4096 stil
 @triton.jit(do_not_specialize=["M"])
 def _swap_ab_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, res_ptr, M, N, K, stride_xm,
                     stride_wn, stride_om, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """out.T[N, M] = w[N, K] @ x.T[K, M] over this program's 1/SPLIT_K of K (K a multiple of SPLIT_K * BLOCK_K), both
     operands FP8, times the token scales; with SPLIT_K 1 times the row scales too (plus the residual with RESIDUAL)
     and stored as bf16, else float32 partials [SPLIT_K, M, N] for reduce_kernel. With PDL it starts while the kernel
-    before ends, and lets the next one start once its K loop is done."""
+    before ends, asks the L2 for its first PREFETCH weight tiles meanwhile (no kernel writes the weight), and lets the
+    next one start once its K loop is done."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     per_split = K // SPLIT_K
+    if PREFETCH:
+        lines = tl.arange(0, BLOCK_K // 128) * 128  # a byte of each 128-byte line of a row's tile
+        first = w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn + split * per_split + lines[None, :]
+        for tile in tl.static_range(PREFETCH):
+            prefetch_l2(first + tile * BLOCK_K)
     wait(PDL)
     rk = split * per_split + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
@@ -138,6 +145,12 @@ def stages(m: int, block_m: int, block_k: int, device: torch.device) -> int:
     return DEEP_STAGES if deep else NUM_STAGES
 
 
+def prefetched_tiles(block_n: int, block_k: int, per_split: int) -> int:
+    """Weight tiles a program asks the L2 for before its wait: programmatic_launch.PREFETCH_BYTES of them, at most its
+    split's."""
+    return min(programmatic_launch.PREFETCH_BYTES // (block_n * block_k), per_split // block_k)
+
+
 def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                residual: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """FP8 ``q`` [M, K] with token scales [M] times the FP8 ``weight`` [N, K] with row scales [N] -> bf16 [M, N]
@@ -158,11 +171,13 @@ def small_m_mm(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weigh
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=q.device) if splits > 1 else out
     pdl = programmatic_launch.enabled(q.device)
+    prefetch = prefetched_tiles(block_n, block_k, k // splits) if pdl else 0
     res = out if residual is None else residual if residual.stride(-1) == 1 else residual.contiguous()
     _swap_ab_kernel[(triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))](
         q, scale, weight, weight_scale, out, part, res, m, n, k, q.stride(0), weight.stride(0), out.stride(0),
         res.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
-        RESIDUAL=residual is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        RESIDUAL=residual is not None, PDL=pdl, PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl)
     if splits > 1:
         reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
             part, weight_scale, out, res, m, n, out.stride(0), res.stride(0), SPLIT_K=splits, BLOCK=REDUCE_BLOCK,

@@ -14,13 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.programmatic_launch import follows, leads, release, wait
 from kiln.quantization.activation_quant import FP8, MIN_SCALE
 from kiln.quantization.quantize_kernel import FP8_MAX
 
 
 @triton.jit
 def _rms_norm_quantize_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, width, stride_x, stride_res,
-                              stride_sum, stride_q, eps, min_scale, ADD: tl.constexpr, BLOCK: tl.constexpr):
+                              stride_sum, stride_q, eps, min_scale, ADD: tl.constexpr, BLOCK: tl.constexpr,
+                              LEAD: tl.constexpr, FOLLOW: tl.constexpr):
+    release(LEAD)  # the GEMM after it starts now, and streams its weight while this runs (programmatic_launch)
+    wait(FOLLOW)  # launched with PDL itself: the kernel before it has ended
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -56,8 +60,10 @@ def rms_norm_quantize_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, re
     if m == 0:
         return q, scale, total
     block = triton.next_power_of_2(width)
+    warps = warps or num_warps(width)
+    follow = follows(m, warps, x.device)
     res, out = (x, x) if residual is None else (residual, total)
     _rms_norm_quantize_kernel[(m,)](x, res, weight, out, q, scale, width, x.stride(0), res.stride(0), out.stride(0),
                                     q.stride(0), eps, MIN_SCALE, ADD=residual is not None, BLOCK=block,
-                                    num_warps=warps or num_warps(width))
+                                    LEAD=leads(m, x.device), FOLLOW=follow, num_warps=warps, launch_pdl=follow)
     return q, scale, total

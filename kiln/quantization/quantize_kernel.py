@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.programmatic_launch import follows, leads, release, wait
 from kiln.quantization.activation_quant import FP8, MIN_SCALE
 
 FP8_MAX = tl.constexpr(448.0)
@@ -56,7 +57,10 @@ def _one_pass(x_row, up_row, q_row, scale_at, width, min_scale, GLU: tl.constexp
 
 @triton.jit
 def _quantize_kernel(x_ptr, up_ptr, q_ptr, scale_ptr, width, stride_x, stride_up, stride_q, min_scale,
-                     GLU: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                     GLU: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, LEAD: tl.constexpr,
+                     FOLLOW: tl.constexpr):
+    release(LEAD)  # the GEMM after it starts now, and streams its weight while this runs (programmatic_launch)
+    wait(FOLLOW)  # launched with PDL itself: the kernel before it has ended
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     up_row = up_ptr + row * stride_up
@@ -100,7 +104,9 @@ def quantize_rows_fp8(x: torch.Tensor, up: torch.Tensor | None = None,
         return q, scale
     block, one_pass, num_warps = config or _config(m, width)
     other = x if up is None else up
+    follow = follows(m, num_warps, x.device)
     strides = (x.stride(0), other.stride(0), q.stride(0))
     _quantize_kernel[(m,)](x, other, q, scale, width, *strides, MIN_SCALE, GLU=up is not None, BLOCK=block,
-                           ONE_PASS=one_pass, num_warps=num_warps)
+                           ONE_PASS=one_pass, LEAD=leads(m, x.device), FOLLOW=follow, num_warps=num_warps,
+                           launch_pdl=follow)
     return q, scale
