@@ -26,7 +26,7 @@ PAIRS = (("qkv", 6144, HIDDEN, "norm"), ("o", HIDDEN, HIDDEN, "quantize"),
          ("gate_up", 2 * INTERMEDIATE, HIDDEN, "add-norm"), ("down", HIDDEN, INTERMEDIATE, "silu"))
 
 
-def pair(m: int, n: int, k: int, producer: str, weights: list):
+def pair(m: int, k: int, producer: str, weights: list):
     """fn(i): the producer over fresh activations, then the product with ``weights[i]``."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     other = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -59,7 +59,7 @@ def main() -> None:
     for m in map(int, args.tokens.split(",")):
         for name, n, k, producer in PAIRS:
             weights = streamed_weights(n, k, l2)
-            fn = pair(m, n, k, producer, weights)
+            fn = pair(m, k, producer, weights)
             mb = n * k / 1e6
             cells = []
             for pdl, kb in [(False, 0)] + [(True, kb) for kb in sizes]:
