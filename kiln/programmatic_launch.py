@@ -15,9 +15,9 @@ begin once the kernel before has ended, and the GEMM still reads what they write
 SMALL_KERNEL_PDL the 8-warp ones launch with PDL too and wait before they read, so the GEMM may start while the kernel
 two back ends, and reads nothing of it before its own wait): the GEMM's programs ask the L2 for the first tiles of
 their weight rows (``prefetch_l2``) while the quantize runs, so that the HBM streams weights during the small kernels
-of a decode layer (at batch 1 on the H200 the quantize and norm kernels
-take ~10 µs of the layer's 87; BENCHMARKS.md). On an H100 it took the step from 3.52 / 3.88 / 5.12 to 3.40 / 3.75 /
-5.03 ms at batch 1 / 8 / 32; 256 KB a program gained nothing.
+of a decode layer (at batch 1 on the H200 the quantize and norm kernels take ~10 µs of the layer's 87; BENCHMARKS.md).
+On an H100 it took the step from 3.52 / 3.88 / 5.12 to 3.40 / 3.75 / 5.03 ms at batch 1 / 8 / 32; 256 KB a program
+gained nothing.
 """
 
 import functools
